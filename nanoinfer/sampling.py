@@ -1,0 +1,159 @@
+"""Sampling parameters (vLLM's names and meanings) and the per-row sampler."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import InvalidRequestError
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 = greedy (exact argmax)
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None = until the context is full
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N alternatives per sampled token (OpenAI semantics)
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        checks = [
+            ("n", isinstance(self.n, int) and self.n >= 1, "must be an integer >= 1"),
+            ("temperature", 0.0 <= self.temperature <= 100.0, "must be in [0, 100]"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "must be 0 or -1 (off) or a positive integer"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
+            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),
+            ("max_tokens", self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+             "must be an integer >= 1"),
+            ("min_tokens", isinstance(self.min_tokens, int) and self.min_tokens >= 0
+             and (self.max_tokens is None or self.min_tokens <= self.max_tokens), "must be in [0, max_tokens]"),
+            ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+             "must be in [0, 20]"),
+            ("seed", self.seed is None or isinstance(self.seed, int), "must be an integer"),
+            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+             "must be non-negative integers"),
+        ]
+        for name, ok, rule in checks:
+            if not ok:
+                raise InvalidRequestError(f"{name}={getattr(self, name)!r} {rule}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int  # 1 = most likely under the model
+    decoded_token: str | None = None
+
+
+@dataclass
+class RowSampler:
+    """One sequence's sampling state: its parameters, its own random generator (so a
+    seeded request gives the same tokens whatever else runs beside it) and the token
+    counts the penalties need."""
+
+    params: SamplingParams
+    vocab_size: int
+    prompt_ids: list[int]
+    banned_until_min_tokens: list[int] = field(default_factory=list)  # eos / stop ids
+    generator: torch.Generator = field(init=False)
+    counts: torch.Tensor | None = field(init=False, default=None)
+    prompt_mask: torch.Tensor | None = field(init=False, default=None)
+    num_generated: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        seed = self.params.seed if self.params.seed is not None else random.SystemRandom().getrandbits(63)
+        self.generator = torch.Generator().manual_seed(seed)
+        if self.params.uses_penalties:
+            self.counts = torch.zeros(self.vocab_size)
+            self.prompt_mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+            ids = torch.tensor([i for i in self.prompt_ids if i < self.vocab_size], dtype=torch.long)
+            self.prompt_mask[ids] = True
+
+    def sample(self, logits: torch.Tensor) -> tuple[int, dict[int, Logprob] | None]:
+        """logits: [vocab] fp32 for this row. Returns the token and, if asked, its logprobs."""
+        p = self.params
+        raw = logits
+        logits = self.process(logits)
+        if p.greedy:
+            token = int(torch.argmax(logits))
+        else:
+            token = self.draw(logits / p.temperature)
+        self.num_generated += 1
+        if self.counts is not None:
+            self.counts[token] += 1
+        return token, (self.logprobs(raw, token) if p.logprobs is not None else None)
+
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        p = self.params
+        if self.counts is not None:
+            logits = logits.clone()
+            if p.repetition_penalty != 1.0:
+                seen = self.prompt_mask | (self.counts > 0)
+                penalised = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
+                logits = torch.where(seen, penalised, logits)
+            logits -= p.frequency_penalty * self.counts + p.presence_penalty * (self.counts > 0).float()
+        if self.num_generated < p.min_tokens and self.banned_until_min_tokens:
+            logits = logits.clone()
+            logits[self.banned_until_min_tokens] = float("-inf")
+        return logits
+
+    def draw(self, logits: torch.Tensor) -> int:
+        """Sample after min_p, top_k and top_p filtering (vLLM's order)."""
+        p = self.params
+        if p.min_p > 0.0:
+            probs = torch.softmax(logits, -1)
+            logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+        if p.top_k > 0 and p.top_k < logits.shape[-1]:
+            kth = torch.topk(logits, p.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_logits, order = torch.sort(logits, descending=True)
+            cum = torch.softmax(sorted_logits, -1).cumsum(-1)
+            # drop a token when the mass before it already reaches top_p; the first always stays
+            drop = (cum - torch.softmax(sorted_logits, -1)) >= p.top_p
+            drop[0] = False
+            logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+        probs = torch.softmax(logits, -1)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def logprobs(self, raw: torch.Tensor, token: int) -> dict[int, Logprob]:
+        """The model's own distribution (before penalties and temperature), as OpenAI and vLLM report it."""
+        lp = torch.log_softmax(raw, -1)
+        out: dict[int, Logprob] = {}
+        n = self.params.logprobs or 0
+        if n:
+            top = torch.topk(lp, n)
+            for rank, (v, i) in enumerate(zip(top.values.tolist(), top.indices.tolist()), 1):
+                out[i] = Logprob(v, rank)
+        if token not in out:
+            out[token] = Logprob(float(lp[token]), int((lp > lp[token]).sum()) + 1)
+        return out

@@ -1,0 +1,131 @@
+"""Who runs this step, and how many tokens each: one token budget for decodes and prefill chunks.
+
+vLLM V1's idea: a step is a map {sequence: tokens to compute}. A decode asks for 1; a
+prompt asks for the rest of its prompt, cut to what the budget leaves (chunked
+prefill). So a long prompt is prefilled over several steps while the others keep
+decoding, and prefix caching simply starts a prompt with some tokens already computed.
+
+Order: running sequences first (oldest first), then waiting ones (FCFS). When the KV
+pool has no block for a running sequence, the newest running sequence is preempted:
+its blocks are freed and it goes back to the front of the queue to be recomputed.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_cache import BlockManager
+from .sequence import Sequence
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)  # tokens each sequence computes this step
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager):
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _blocks_for(self, seq: Sequence, num_tokens: int) -> int:
+        """New blocks `seq` needs to compute num_tokens more tokens, a copy-on-write included."""
+        table = seq.block_table
+        end = seq.num_computed + num_tokens
+        need = max(0, self.blocks.blocks_needed(end) - len(table))
+        idx = seq.num_computed // self.blocks.block_size
+        if idx < len(table) and self.blocks.blocks[table[idx]].ref_count > 1:
+            need += 1
+        return need
+
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute later: drop its KV, keep its tokens (prompt and output so far)."""
+        self.blocks.free_table(seq.block_table)
+        seq.num_computed = 0
+        seq.block_hashes.clear()
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        seq.num_preemptions += 1
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.config.max_num_batched_tokens
+        batch = ScheduledBatch()
+        # 1. running sequences, oldest first; preempt the newest when blocks run out
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.length - seq.num_computed, budget)
+            while not self.blocks.can_allocate(self._blocks_for(seq, n)) and self.running[-1] is not seq:
+                self.preempt(self.running[-1])
+            if not self.blocks.can_allocate(self._blocks_for(seq, n)):
+                self.preempt(seq)  # nothing newer left to take blocks from
+                break
+            self._reserve(seq, n)
+            batch.seqs.append(seq)
+            batch.num_tokens.append(n)
+            budget -= n
+            i += 1
+        # 2. waiting sequences, first come first served, while budget and blocks last
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                seq.num_computed = self.blocks.allocate_prompt(seq.block_table, seq.all_ids)
+            n = min(seq.length - seq.num_computed, budget)
+            if not self.blocks.can_allocate(self._blocks_for(seq, n)):
+                if not self.running:
+                    # alone and still no room: the pool is smaller than this prompt chunk
+                    n = self._shrink_to_fit(seq, n)
+                if n == 0 or not self.blocks.can_allocate(self._blocks_for(seq, n)):
+                    self.blocks.free_table(seq.block_table)  # give back prefix hits; retry next step
+                    seq.num_computed = 0
+                    break
+            self.waiting.popleft()
+            self.running.append(seq)
+            self._reserve(seq, n)
+            batch.seqs.append(seq)
+            batch.num_tokens.append(n)
+            budget -= n
+        return batch
+
+    def _shrink_to_fit(self, seq: Sequence, n: int) -> int:
+        while n > 0 and not self.blocks.can_allocate(self._blocks_for(seq, n)):
+            n -= self.blocks.block_size
+        return max(n, 0)
+
+    def _reserve(self, seq: Sequence, n: int) -> None:
+        if seq.num_computed // self.blocks.block_size < len(seq.block_table):
+            self.blocks.prepare_write(seq.block_table, seq.num_computed)
+        self.blocks.ensure_slots(seq.block_table, seq.num_computed + n)
+
+    def finish(self, seq: Sequence) -> None:
+        self.blocks.free_table(seq.block_table)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)

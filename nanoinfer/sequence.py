@@ -1,0 +1,220 @@
+"""Per-request state: tokens, text, stop policy, statistics, and the outputs users see."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from .sampling import Logprob, RowSampler, SamplingParams
+from .tokenizer import IncrementalDetokenizer, StopMatcher
+
+
+class FinishCause(str, Enum):
+    EOS = "eos"
+    STOP_TOKEN = "stop_token"
+    STOP_STRING = "stop_string"
+    MAX_TOKENS = "max_tokens"
+    CONTEXT_FULL = "context_full"
+    ABORT = "abort"
+
+    @property
+    def finish_reason(self) -> str:
+        """OpenAI's finish_reason: "stop" when the model or a stop rule ended it, "length" when a limit did."""
+        if self in (FinishCause.MAX_TOKENS, FinishCause.CONTEXT_FULL):
+            return "length"
+        return "abort" if self is FinishCause.ABORT else "stop"
+
+
+@dataclass(slots=True)
+class ForwardStat:
+    context_len: int  # tokens the forward attended over (cached + new)
+    num_tokens: int  # new tokens fed
+    seconds: float
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int
+    arrival: float = field(default_factory=time.perf_counter)
+    token_times: list[float] = field(default_factory=list)  # when each output token was sampled
+    finished: float | None = None
+    forwards: list[ForwardStat] = field(default_factory=list)
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.token_times)
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.arrival if self.token_times else None
+
+    @property
+    def inter_token_latencies(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens after the first over the time after the first: the decode rate alone."""
+        t = self.token_times
+        return (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 and t[-1] > t[0] else None
+
+    @property
+    def e2e_seconds(self) -> float | None:
+        return (self.finished or (self.token_times[-1] if self.token_times else self.arrival)) - self.arrival
+
+    def as_dict(self) -> dict:
+        itl = self.inter_token_latencies
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "ttft_s": self.ttft,
+            "mean_itl_s": sum(itl) / len(itl) if itl else None,
+            "decode_tok_per_s": self.decode_tokens_per_s,
+            "e2e_s": self.e2e_seconds,
+            "forwards": len(self.forwards),
+        }
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_cause: FinishCause | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    stats: list[RequestStats] = field(default_factory=list)  # one per sample
+
+
+@dataclass
+class StreamDelta:
+    """What one step added to one sample: the streaming form's unit."""
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+
+
+@dataclass
+class Sequence:
+    """One sample of one request as it moves through the engine."""
+
+    request_id: str
+    index: int
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    sampler: RowSampler
+    detok: IncrementalDetokenizer
+    stop_matcher: StopMatcher
+    eos_ids: frozenset[int]
+    max_model_len: int
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+    finish_cause: FinishCause | None = None
+    stop_reason: int | str | None = None
+    num_computed: int = 0  # tokens whose keys and values are in the cache
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix hashes of its full blocks
+    num_preemptions: int = 0
+    forks: list["Sequence"] = field(default_factory=list)  # samples 1..n-1, forked after this one's prefill
+    stats: RequestStats = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stats = RequestStats(len(self.prompt_ids))
+        if self.params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_cause is not None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p:end - p]
+        return self.prompt_ids[start:] + self.output_ids[:end - p]
+
+    def append(self, token: int, logprobs: dict[int, Logprob] | None) -> StreamDelta:
+        """Take a sampled token, apply the stop policy, and return what the user sees new."""
+        now = time.perf_counter()
+        self.stats.token_times.append(now)
+        self.output_ids.append(token)
+        if logprobs is not None and self.logprobs is not None:
+            self.logprobs.append(logprobs)
+            self.cumulative_logprob += logprobs[token].logprob
+        p = self.params
+        text = ""
+        if token in self.eos_ids and not p.ignore_eos:
+            self.finish_cause = FinishCause.EOS
+        elif token in p.stop_token_ids:
+            self.finish_cause, self.stop_reason = FinishCause.STOP_TOKEN, token
+        else:
+            text, stopped = self.stop_matcher.feed(self.detok.add(token))
+            if stopped:
+                self.finish_cause, self.stop_reason = FinishCause.STOP_STRING, self.stop_matcher.matched
+        if self.finish_cause is None:
+            if p.max_tokens is not None and len(self.output_ids) >= p.max_tokens:
+                self.finish_cause = FinishCause.MAX_TOKENS
+            elif self.length >= self.max_model_len:
+                self.finish_cause = FinishCause.CONTEXT_FULL
+        if self.finished:
+            text += self.release_held_text()
+        self.text += text
+        return self.delta(text, [token], logprobs)
+
+    def release_held_text(self) -> str:
+        """At the end, text the detokenizer or the stop matcher held back belongs to the output,
+        unless a stop string matched (everything from it on is dropped)."""
+        if self.finish_cause is FinishCause.STOP_STRING:
+            return ""
+        text, stopped = self.stop_matcher.feed(self.detok.flush())
+        if stopped:
+            self.finish_cause, self.stop_reason = FinishCause.STOP_STRING, self.stop_matcher.matched
+            return text
+        return text + self.stop_matcher.flush()
+
+    def abort(self) -> StreamDelta:
+        self.finish_cause = FinishCause.ABORT
+        self.stats.finished = time.perf_counter()
+        return self.delta("", [], None)
+
+    def delta(self, text: str, token_ids: list[int], logprobs) -> StreamDelta:
+        return StreamDelta(self.request_id, self.index, text, token_ids, self.finished,
+                           self.finish_cause.finish_reason if self.finished else None,
+                           [logprobs] if logprobs is not None else None)
+
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(
+            self.index, self.text, list(self.output_ids),
+            self.finish_cause.finish_reason if self.finished else None, self.finish_cause, self.stop_reason,
+            self.logprobs, self.cumulative_logprob if self.logprobs is not None else None,
+        )

