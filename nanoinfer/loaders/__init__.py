@@ -90,12 +90,12 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float3
         raise ModelLoadError(f"{path}: nanochat checkpoints are not supported yet")
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    model = model.to_empty(device=device)
     try:
         model.load_weights(state)
     except (ValueError, RuntimeError) as e:
         raise ModelLoadError(f"{path}: {e}") from None
-    model.to(dtype).eval()
-    model.reset_rope()
+    model.reset_rope()  # the meta-device buffers become real tensors ...
+    model.to(device=device, dtype=dtype).eval()
+    model.reset_rope()  # ... and fp32 again after the cast
     return LoadedModel(model, tokenizer, config, path, fmt, time.perf_counter() - t0)
 

@@ -147,13 +147,17 @@ class LlamaForCausalLM(nn.Module):
         self.rope_cos, self.rope_sin = freqs.cos(), freqs.sin()
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Take the tensors as they are (no copy): the model may have been built on the meta device."""
         state = dict(state)
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight  # moving the module may have split them
-            state["lm_head.weight"] = state["model.embed_tokens.weight"]
-        missing, unexpected = self.load_state_dict(state, strict=False)
+        tie = self.config.tie_word_embeddings
+        if tie:
+            state.pop("lm_head.weight", None)
+        missing, unexpected = self.load_state_dict(state, strict=False, assign=True)
+        missing = [k for k in missing if not (tie and k == "lm_head.weight")]
         if missing or unexpected:
             raise ValueError(f"weights do not fit the architecture: missing {missing[:4]}, unexpected {unexpected[:4]}")
+        if tie:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
         self,

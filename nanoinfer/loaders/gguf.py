@@ -1,0 +1,441 @@
+"""Read GGUF files (llama.cpp's model format) into a ModelConfig and a Hugging Face style state dict.
+
+The header is parsed here with `struct` instead of `gguf.GGUFReader`: the reader builds a numpy
+view per metadata item, which takes seconds for a 50k-token vocabulary. Tensor data is
+memory-mapped and dequantized with `gguf.quants.dequantize`, so every type gguf-py knows works.
+
+GGUF layout (little-endian): magic "GGUF", uint32 version, uint64 tensor count, uint64 KV count,
+the KV pairs, one info record per tensor (name, dims innermost first, type, offset), padding
+to `general.alignment`, then the tensor data.
+"""
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+from gguf import quants
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from nanoinfer.config import ModelConfig
+from nanoinfer.errors import ModelLoadError
+
+__all__ = ["read_gguf_metadata", "gguf_config", "load_gguf"]
+
+_MAGIC = b"GGUF"
+_DEFAULT_ALIGNMENT = 32
+_SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+
+# GGUF metadata value types -> struct format; 8 is a string, 9 an array.
+_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_NUMPY_TYPES = {0: "u1", 1: "i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
+_STRUCTS = {vtype: struct.Struct("<" + fmt) for vtype, fmt in _SCALAR_FORMATS.items()}
+_FLOAT32, _STRING, _ARRAY = 6, 8, 9
+
+# GGUF tensor name -> HF name (without the .weight/.bias suffix).
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Tensors that carry no weights of their own: rope_freqs holds llama3 rope factors (read into the
+# config), attn_rot_embd is a leftover of old conversions.
+_NOT_WEIGHTS = re.compile(r"rope_freqs\.weight|blk\.\d+\.attn_rot_embd\.weight")
+
+# Dequantize about this many values per gguf-py call (see _dequantize).
+_VALUES_PER_ROW = 16384
+
+
+class _Corrupt(Exception):
+    """The header points past the end of the file or holds an impossible value."""
+
+
+@dataclass
+class _TensorInfo:
+    name: str
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]  # numpy / HF order: outermost first (the file stores the reverse)
+    offset: int  # absolute position of the data in the file
+    nbytes: int
+
+
+@dataclass
+class _GGUFFile:
+    meta: dict[str, Any]
+    tensors: list[_TensorInfo]
+    buf: mmap.mmap
+
+
+class _Cursor:
+    """Sequential reader over the mapped file with bounds checks."""
+
+    def __init__(self, buf: mmap.mmap) -> None:
+        self.buf = buf
+        self.pos = 0
+
+    def take(self, n: int) -> int:
+        start = self.pos
+        if n < 0 or start + n > len(self.buf):
+            raise _Corrupt(f"a header item at byte {start} runs past the end of the file")
+        self.pos = start + n
+        return start
+
+    def scalar(self, vtype: int) -> Any:
+        st = _STRUCTS[vtype]
+        return st.unpack_from(self.buf, self.take(st.size))[0]
+
+    def string(self) -> str:
+        n = self.scalar(10)
+        start = self.take(n)
+        return self.buf[start : start + n].decode("utf-8", errors="replace")
+
+    def value(self, vtype: int) -> Any:
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            return self.array()
+        if vtype not in _SCALAR_FORMATS:
+            raise _Corrupt(f"unknown metadata value type {vtype}")
+        value = self.scalar(vtype)
+        if vtype == _FLOAT32:
+            # Shortest decimal that round-trips the float32 (1e-05 rather than 9.999999747378752e-06).
+            value = float(str(np.float32(value)))
+        return value
+
+    def array(self) -> list[Any]:
+        vtype, count = self.scalar(4), self.scalar(10)
+        if vtype in _NUMPY_TYPES:  # numeric arrays in one go (token types, scores)
+            dtype = np.dtype(_NUMPY_TYPES[vtype])
+            start = self.take(count * dtype.itemsize)
+            return np.frombuffer(self.buf, dtype, count, start).tolist()
+        if count > len(self.buf):  # each item takes at least one byte
+            raise _Corrupt(f"array of {count} items cannot fit in the file")
+        return [self.value(vtype) for _ in range(count)]
+
+
+def _open(path: str | os.PathLike[str], with_tensors: bool) -> _GGUFFile:
+    """Map the file and parse its header; every failure becomes a one-line ModelLoadError."""
+    p = Path(path)
+    if p.is_dir():
+        raise ModelLoadError(f"expected a GGUF file, got a directory: {p}")
+    if not p.is_file():
+        raise ModelLoadError(f"GGUF file not found: {p}")
+    try:
+        size = p.stat().st_size
+        with open(p, "rb") as f:
+            if f.read(4) != _MAGIC:
+                raise ModelLoadError(f"not a GGUF file (bad magic): {p}")
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read {p}: {exc.strerror or exc}") from None
+    try:
+        cur = _Cursor(buf)
+        cur.take(4)
+        version = cur.scalar(4)
+        if version not in (2, 3):
+            hint = " (big-endian files are not supported)" if version & 0xFFFF == 0 else ""
+            raise ModelLoadError(f"unsupported GGUF version {version}{hint}: {p}")
+        n_tensors, n_kv = cur.scalar(10), cur.scalar(10)
+        meta: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = cur.string()
+            meta[key] = cur.value(cur.scalar(4))
+        tensors: list[_TensorInfo] = []
+        if with_tensors:
+            tensors = _parse_tensor_infos(cur, n_tensors, meta, size)
+    except ModelLoadError:
+        raise
+    except (_Corrupt, struct.error, ValueError, OverflowError, MemoryError) as exc:
+        raise ModelLoadError(f"corrupt or truncated GGUF file {p}: {exc}") from None
+    return _GGUFFile(meta, tensors, buf)
+
+
+def _parse_tensor_infos(cur: _Cursor, count: int, meta: dict[str, Any], size: int) -> list[_TensorInfo]:
+    if count > size:
+        raise _Corrupt(f"tensor count {count} cannot fit in the file")
+    raw = []
+    for _ in range(count):
+        name = cur.string()
+        n_dims = cur.scalar(4)
+        dims = [cur.scalar(10) for _ in range(n_dims)]
+        type_id, offset = cur.scalar(4), cur.scalar(10)
+        raw.append((name, dims, type_id, offset))
+    alignment = meta.get("general.alignment", _DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise _Corrupt(f"bad general.alignment {alignment!r}")
+    data_start = -(-cur.pos // alignment) * alignment
+    tensors = []
+    for name, dims, type_id, offset in raw:
+        try:
+            qtype = GGMLQuantizationType(type_id)
+        except ValueError:
+            raise _Corrupt(f"tensor {name!r} has unknown type id {type_id}") from None
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        if dims and dims[0] % block_size:
+            raise _Corrupt(f"tensor {name!r}: row of {dims[0]} is not a multiple of the {qtype.name} block")
+        nbytes = math.prod(dims) // block_size * type_size
+        start = data_start + offset
+        if start + nbytes > size:
+            raise _Corrupt(f"tensor {name!r} ends past the end of the file (truncated?)")
+        tensors.append(_TensorInfo(name, qtype, tuple(reversed(dims)), start, nbytes))
+    return tensors
+
+
+def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Every KV field of a GGUF file as plain Python values (arrays as lists). Reads no tensor data,
+    so it also works on vocab-only files."""
+    return _open(path, with_tensors=False).meta
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def _arch_key(meta: Mapping[str, Any], arch: str, key: str, default: Any = None) -> Any:
+    value = meta.get(f"{arch}.{key}", default)
+    if value is None:
+        raise ModelLoadError(f"GGUF metadata lacks {arch}.{key}")
+    if isinstance(value, list):  # some converters write per-layer lists; we need them uniform
+        if not value or any(v != value[0] for v in value):
+            raise ModelLoadError(f"GGUF metadata {arch}.{key} varies per layer ({value}); not supported")
+        value = value[0]
+    return value
+
+
+def _rope_scaling(meta: Mapping[str, Any], arch: str) -> dict | None:
+    """HF rope_scaling dict from {arch}.rope.scaling.* (linear and yarn; llama3 lives in a tensor)."""
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    factor = meta.get(f"{arch}.rope.scaling.factor")
+    if kind == "none" or factor is None or factor == 1.0:
+        return None
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
+    if kind == "linear":
+        return scaling
+    if kind == "yarn":
+        extras = {
+            "original_context_length": "original_max_position_embeddings",
+            "yarn_beta_fast": "beta_fast",
+            "yarn_beta_slow": "beta_slow",
+        }
+        for gguf_key, hf_key in extras.items():
+            if (value := meta.get(f"{arch}.rope.scaling.{gguf_key}")) is not None:
+                scaling[hf_key] = value
+        return scaling
+    raise ModelLoadError(f"unsupported rope scaling type {kind!r} in GGUF metadata")
+
+
+def gguf_config(meta: Mapping[str, Any], tensor_shapes: Mapping[str, Sequence[int]] | None = None) -> ModelConfig:
+    """Model hyper-parameters from GGUF metadata.
+
+    `tensor_shapes` (GGUF tensor name -> shape) settles the facts that GGUF keeps only in its tensor
+    list: tied embeddings (no output.weight), q/k/v biases, q/k norms. Without it they are guessed
+    from the architecture (untied; qwen2 has biases, qwen3 has q/k norms).
+    """
+    arch = meta.get("general.architecture")
+    if arch not in _SUPPORTED_ARCHS:
+        raise ModelLoadError(
+            f"unsupported GGUF architecture {arch!r} (supported: {', '.join(_SUPPORTED_ARCHS)})"
+        )
+    hidden = int(_arch_key(meta, arch, "embedding_length"))
+    n_heads = int(_arch_key(meta, arch, "attention.head_count"))
+    n_kv_heads = int(_arch_key(meta, arch, "attention.head_count_kv", n_heads))
+    head_dim = int(_arch_key(meta, arch, "attention.key_length", hidden // max(n_heads, 1)))
+
+    vocab = meta.get(f"{arch}.vocab_size")
+    if vocab is None and "tokenizer.ggml.tokens" in meta:
+        vocab = len(meta["tokenizer.ggml.tokens"])
+    if vocab is None and tensor_shapes and "token_embd.weight" in tensor_shapes:
+        vocab = tensor_shapes["token_embd.weight"][0]
+    if vocab is None:
+        raise ModelLoadError(f"GGUF metadata lacks {arch}.vocab_size and tokenizer.ggml.tokens")
+
+    if tensor_shapes is None:
+        tied, bias, qk_norm = False, arch == "qwen2", arch == "qwen3"
+    else:
+        tied = "output.weight" not in tensor_shapes
+        bias = "blk.0.attn_q.bias" in tensor_shapes
+        qk_norm = "blk.0.attn_q_norm.weight" in tensor_shapes
+
+    # llama.cpp converts Mistral checkpoints to the llama architecture; only the name tells.
+    sliding_window = meta.get(f"{arch}.attention.sliding_window")
+    name = f"{meta.get('general.name', '')} {meta.get('general.basename', '')}".lower()
+    is_mistral = arch == "llama" and ("mistral" in name or sliding_window is not None)
+
+    extra = {"gguf_architecture": arch}
+    if (rope_dim := meta.get(f"{arch}.rope.dimension_count")) is not None:
+        if rope_dim != head_dim:  # models/llama.py rotates the whole head
+            raise ModelLoadError(f"partial rotary embeddings ({rope_dim} of {head_dim} dims) are not supported")
+        extra["rope_dimension_count"] = rope_dim
+    return ModelConfig(
+        architecture="mistral" if is_mistral else arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_arch_key(meta, arch, "feed_forward_length")),
+        num_layers=int(_arch_key(meta, arch, "block_count")),
+        num_heads=n_heads,
+        num_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
+        tie_word_embeddings=tied,
+        attention_bias=bias,
+        qk_norm=qk_norm,
+        rope_scaling=_rope_scaling(meta, arch),
+        sliding_window=int(sliding_window) if sliding_window else None,
+        extra=extra,
+    )
+
+
+def _llama3_rope_scaling(rope_factors: np.ndarray, theta: float, head_dim: int) -> dict | None:
+    """Recover HF's llama3 rope_scaling from the per-frequency divisors llama.cpp stores in rope_freqs.
+
+    llama3 divides each inverse frequency by 1 (short wavelengths), by `factor` (long ones) or, in
+    between, by r with 1/r = (1 - s)/factor + s, where s falls linearly in 1/wavelength from 1 at
+    original/high_freq_factor to 0 at original/low_freq_factor. Only those two wavelengths matter,
+    so low_freq_factor is fixed at 1 and the rest fitted from the in-between frequencies.
+    """
+    factors = rope_factors.astype(np.float64).ravel()
+    factor = float(factors.max())
+    if factor <= 1.0 or len(factors) != head_dim // 2:
+        return None
+    x = 1.0 / (theta ** (np.arange(0, head_dim, 2) / head_dim)) / (2 * math.pi)  # 1 / wavelength
+    s = (1.0 / factors - 1.0 / factor) / (1.0 - 1.0 / factor)
+    tol = 1e-6
+    mid = (s > tol) & (s < 1 - tol)
+    if mid.sum() >= 2:
+        slope, icept = np.polyfit(x[mid], s[mid], 1)
+        x_lo, x_hi = -icept / slope, (1 - icept) / slope
+    else:  # too few samples to fit: put the edges between the samples on either side
+        x_lo = x[s <= tol].max() if (s <= tol).any() else x.min()
+        x_hi = x[s >= 1 - tol].min() if (s >= 1 - tol).any() else x.max()
+    original = round(1.0 / x_lo)
+    return {
+        "rope_type": "llama3",
+        "factor": round(factor, 6),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": round(x_hi * original, 6),
+        "original_max_position_embeddings": original,
+    }
+
+
+# ----------------------------------------------------------------------------- tensors
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    base, _, suffix = gguf_name.rpartition(".")
+    if base in _GLOBAL_NAMES and suffix == "weight":
+        return f"{_GLOBAL_NAMES[base]}.weight"
+    m = _LAYER_TENSOR.fullmatch(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def _dequantize(buf: mmap.mmap, info: _TensorInfo) -> np.ndarray:
+    """float32 array of `info.shape`, never a view of the mapped file."""
+    block_size, type_size = GGML_QUANT_SIZES[info.qtype]
+    n_blocks = info.nbytes // type_size
+    raw = np.frombuffer(buf, np.uint8, info.nbytes, info.offset)
+    # gguf-py works on groups of 16 rows; a call per small group is slow, one call over a whole
+    # embedding is memory-bound. Blocks are independent, so regroup into rows of about
+    # _VALUES_PER_ROW values (a divisor of the block count) - about 3x faster on the default model.
+    per_row = max(1, min(n_blocks, _VALUES_PER_ROW // block_size))
+    while n_blocks % per_row:
+        per_row -= 1
+    try:
+        values = quants.dequantize(raw.reshape(-1, per_row * type_size), info.qtype)
+    except NotImplementedError:
+        raise ModelLoadError(
+            f"tensor {info.name!r} has type {info.qtype.name}, which gguf-py cannot dequantize"
+        ) from None
+    if np.may_share_memory(values, raw):  # F32 comes back as a view of the file
+        values = values.copy()
+    return values.reshape(info.shape)
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order for its llama rope (pairs interleaved within each head),
+    giving HF's rotate-half order. The converter did reshape(n, 2, d/2, ...).swapaxes(1, 2)."""
+    rest = w.shape[1:]
+    return w.reshape(n_heads, -1, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (cfg.vocab_size, h), "output_norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["output.weight"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_layers):
+        layer = {
+            "attn_q.weight": (q, h),
+            "attn_k.weight": (kv, h),
+            "attn_v.weight": (kv, h),
+            "attn_output.weight": (h, q),
+            "attn_norm.weight": (h,),
+            "ffn_norm.weight": (h,),
+            "ffn_gate.weight": (cfg.intermediate_size, h),
+            "ffn_up.weight": (cfg.intermediate_size, h),
+            "ffn_down.weight": (h, cfg.intermediate_size),
+        }
+        if cfg.attention_bias:
+            layer.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
+        if cfg.qk_norm:
+            layer.update({"attn_q_norm.weight": (cfg.head_dim,), "attn_k_norm.weight": (cfg.head_dim,)})
+        shapes.update({f"blk.{i}.{k}": v for k, v in layer.items()})
+    return shapes
+
+
+def load_gguf(
+    path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
+) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    """(config, state dict with HF names and shapes, GGUF metadata). Quantized tensors are
+    dequantized; llama q/k rows are put back in HF order."""
+    gf = _open(path, with_tensors=True)
+    if not gf.tensors:
+        raise ModelLoadError(f"{path} holds no tensors (a vocab-only GGUF?); it cannot be loaded as a model")
+    shapes = {t.name: t.shape for t in gf.tensors}
+    cfg = gguf_config(gf.meta, shapes)
+
+    expected = _expected_shapes(cfg)
+    for name, shape in expected.items():
+        if name not in shapes:
+            raise ModelLoadError(f"GGUF file {path} lacks tensor {name}")
+        if tuple(shapes[name]) != shape:
+            raise ModelLoadError(f"tensor {name} has shape {list(shapes[name])}, the metadata implies {list(shape)}")
+
+    state: dict[str, torch.Tensor] = {}
+    for info in gf.tensors:
+        if _NOT_WEIGHTS.fullmatch(info.name):
+            if info.name == "rope_freqs.weight" and cfg.rope_scaling is None:
+                factors = _dequantize(gf.buf, info)
+                cfg.rope_scaling = _llama3_rope_scaling(factors, cfg.rope_theta, cfg.head_dim)
+                cfg.extra["rope_freqs"] = factors.ravel().tolist()
+            continue
+        hf_name = _hf_name(info.name)
+        if hf_name is None or info.name not in expected:
+            raise ModelLoadError(f"unexpected tensor {info.name!r} in a {cfg.architecture} GGUF file")
+        w = _dequantize(gf.buf, info)
+        if cfg.extra["gguf_architecture"] == "llama":
+            if info.name.endswith((".attn_q.weight", ".attn_q.bias")):
+                w = _unpermute(w, cfg.num_heads)
+            elif info.name.endswith((".attn_k.weight", ".attn_k.bias")):
+                w = _unpermute(w, cfg.num_kv_heads)
+        state[hf_name] = torch.from_numpy(w).to(dtype)
+    return cfg, state, gf.meta

@@ -1,0 +1,238 @@
+"""Test utility: write a transformers model as a GGUF file, the way llama.cpp's
+convert_hf_to_gguf.py would for LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM /
+Qwen3ForCausalLM. Tests use it to make GGUF files of tiny random models; nothing is downloaded.
+
+What llama.cpp does and this mirrors:
+- GGUF tensor names (token_embd, blk.N.attn_q, ..., output_norm, output); no output tensor when
+  the embeddings are tied;
+- for the llama architecture the q and k rows are permuted into llama.cpp's rope layout;
+- Mistral is written as the llama architecture (plus, as an extension, its sliding window);
+- 1-D tensors (norms, biases) stay F32, 2-D weights take `tensor_type`, falling back to F16 when
+  a row does not split into whole quantization blocks;
+- llama3 rope scaling becomes a `rope_freqs` tensor of per-frequency divisors, linear and yarn
+  become rope.scaling.* keys;
+- a tokenizer folder (tokenizer.json) becomes gpt2-style BPE metadata.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+_GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_LAYER_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    """model.layers.3.self_attn.q_proj.weight -> blk.3.attn_q.weight"""
+    base, _, suffix = hf_name.rpartition(".")
+    if base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{suffix}"
+    parts = base.split(".", 3)  # model, layers, N, rest
+    if parts[:2] == ["model", "layers"] and len(parts) == 4 and parts[3] in _LAYER_NAMES:
+        return f"blk.{parts[2]}.{_LAYER_NAMES[parts[3]]}.{suffix}"
+    raise ValueError(f"no GGUF name for {hf_name}")
+
+
+def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order: within each head, rows (i, i + d/2) become neighbours."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _rope_parameters(cfg: Any) -> dict[str, Any]:
+    """transformers 5 keeps theta and scaling in rope_parameters; older ones in rope_theta/rope_scaling."""
+    params = dict(getattr(cfg, "rope_parameters", None) or {})
+    if getattr(cfg, "rope_scaling", None):
+        params = {**cfg.rope_scaling, **params}
+    params.setdefault("rope_theta", getattr(cfg, "rope_theta", None) or 10000.0)
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def llama3_rope_factors(rope: dict[str, Any], head_dim: int) -> np.ndarray:
+    """Per-frequency divisors of llama3 rope scaling, computed as llama.cpp's converter does."""
+    factor = rope.get("factor", 8.0)
+    low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old_len = rope.get("original_max_position_embeddings", 8192)
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def _encode(w: np.ndarray, qtype: gguf.GGMLQuantizationType) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
+    """(array for GGUFWriter.add_tensor, its type). Quantized data is uint8 rows of blocks."""
+    if w.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
+        return w.astype(np.float32), gguf.GGMLQuantizationType.F32
+    if qtype == gguf.GGMLQuantizationType.F16:
+        return w.astype(np.float16), qtype
+    block_size = gguf.GGML_QUANT_SIZES[qtype][0]
+    if w.shape[-1] % block_size:  # llama.cpp falls back to F16 for such tensors
+        return w.astype(np.float16), gguf.GGMLQuantizationType.F16
+    return gguf.quants.quantize(w.astype(np.float32), qtype), qtype
+
+
+def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer: Any, vocab_size: int, pre: str | None) -> None:
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else None
+        if folder is None:  # a tokenizer object: look at what it saves
+            tokenizer.save_pretrained(tmp)
+            folder = Path(tmp)
+        data = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+        tok = AutoTokenizer.from_pretrained(folder)
+    model = data["model"]
+    if model.get("type") != "BPE":
+        raise ValueError(f"only BPE tokenizers are exported, not {model.get('type')}")
+
+    by_id = {i: t for t, i in model["vocab"].items()}
+    added = {a["id"]: a for a in data.get("added_tokens", [])}
+    by_id.update({i: a["content"] for i, a in added.items()})
+    n = max(vocab_size, max(by_id) + 1)
+    tokens, types = [], []
+    for i in range(n):
+        if i not in by_id:  # the model's vocabulary is larger than the tokenizer's
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        elif i in added:
+            tokens.append(by_id[i])
+            types.append(gguf.TokenType.CONTROL if added[i].get("special") else gguf.TokenType.USER_DEFINED)
+        else:
+            tokens.append(by_id[i])
+            types.append(gguf.TokenType.NORMAL)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+
+    if pre is None:  # llama.cpp picks this by hashing the tokenizer's output; ByteLevel's regex is GPT-2's
+        pt = data.get("pre_tokenizer") or {}
+        pre = "gpt2" if pt.get("type") == "ByteLevel" and pt.get("use_regex", True) else "default"
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    for token_id, add in [(tok.bos_token_id, writer.add_bos_token_id), (tok.eos_token_id, writer.add_eos_token_id),
+                          (tok.unk_token_id, writer.add_unk_token_id), (tok.pad_token_id, writer.add_pad_token_id)]:
+        if token_id is not None:
+            add(token_id)
+    config_file = folder / "tokenizer_config.json"
+    tok_config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+    if "add_bos_token" in tok_config:
+        writer.add_add_bos_token(bool(tok_config["add_bos_token"]))
+    if "add_eos_token" in tok_config:
+        writer.add_add_eos_token(bool(tok_config["add_eos_token"]))
+    if tok.chat_template:
+        writer.add_chat_template(tok.chat_template)
+
+
+def write_gguf_from_hf(
+    model: Any,
+    tokenizer: str | os.PathLike[str] | Any | None,
+    path: str | os.PathLike[str],
+    tensor_type: str = "F32",
+    *,
+    name: str | None = None,
+    tokenizer_pre: str | None = None,
+    vocab_only: bool = False,
+) -> Path:
+    """Write `model` (a transformers *ForCausalLM) to `path` as GGUF; returns the path.
+
+    tensor_type: "F32", "F16", "BF16" or a type gguf.quants can quantize ("Q8_0", "Q4_0", ...).
+    tokenizer: a folder with tokenizer.json, a transformers tokenizer, or None for no vocab.
+    name: general.name (default: the model type; "mistral" in it marks a Mistral model).
+    vocab_only: metadata without tensors, like llama.cpp's --vocab-only.
+    """
+    cfg = model.config
+    if cfg.model_type not in _ARCHS:
+        raise ValueError(f"cannot export model type {cfg.model_type!r}")
+    arch = _ARCHS[cfg.model_type]
+    qtype = gguf.GGMLQuantizationType[tensor_type]
+    n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+    rope = _rope_parameters(cfg)
+
+    path = Path(path)
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_type("model")
+    writer.add_name(name or cfg.model_type)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(n_heads)
+    writer.add_head_count_kv(n_kv)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    file_type = getattr(gguf.LlamaFileType, f"MOSTLY_{tensor_type}", gguf.LlamaFileType.ALL_F32)
+    writer.add_file_type(int(file_type))
+    if cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None):
+        writer.add_sliding_window(cfg.sliding_window)
+
+    kind = rope["rope_type"]
+    if kind == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    elif kind == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        if "original_max_position_embeddings" in rope:
+            writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    elif kind == "llama3" and not vocab_only:
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, head_dim))
+    elif kind != "default":
+        raise ValueError(f"cannot export rope type {kind!r}")
+
+    for hf_name, tensor in model.state_dict().items():
+        if vocab_only or (hf_name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        gguf_name = gguf_tensor_name(hf_name)
+        w = tensor.detach().to(torch.float32).cpu().numpy()
+        if arch == "llama" and ".attn_q." in gguf_name:
+            w = permute_qk(w, n_heads)
+        elif arch == "llama" and ".attn_k." in gguf_name:
+            w = permute_qk(w, n_kv)
+        data, dtype = _encode(w, qtype)
+        writer.add_tensor(gguf_name, data, raw_dtype=dtype if data.dtype == np.uint8 else None)
+
+    if tokenizer is not None:
+        _add_tokenizer(writer, tokenizer, cfg.vocab_size, tokenizer_pre)
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
