@@ -7,7 +7,7 @@ them and returns the attention output. Swapping the backend swaps the cache layo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -47,50 +47,13 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
 class CausalAttention:
     """No cache: every forward sees only its own tokens. The reference (uncached) loop uses it."""
 
-    window: int | None = None
+    windows: list[int | None]  # per layer
 
     def attend(self, layer, q, k, v):
-        T = q.shape[0]
-        if self.window is None or self.window >= T:
+        T, window = q.shape[0], self.windows[layer]
+        if window is None or window >= T:
             return sdpa(q, k, v, None, causal=True)
-        return sdpa(q, k, v, causal_mask(0, T, self.window))
-
-
-class ContiguousKVCache:
-    """One sequence's keys and values in one preallocated buffer per layer.
-
-    Layout [layers, capacity, kv_heads, head_dim]: appending T tokens is one slice copy.
-    """
-
-    def __init__(self, num_layers: int, capacity: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", window: int | None = None):
-        self.k = torch.zeros(num_layers, capacity, num_kv_heads, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
-        self.capacity = capacity
-        self.window = window
-        self.length = 0  # tokens whose k/v are stored
-
-    def at(self, start: int, T: int) -> "ContiguousAttention":
-        """The backend for one forward that writes positions start .. start+T-1."""
-        if start + T > self.capacity:
-            raise ValueError(f"KV cache holds {self.capacity} positions, asked for {start + T}")
-        return ContiguousAttention(self, start, T)
-
-
-@dataclass
-class ContiguousAttention:
-    cache: ContiguousKVCache
-    start: int
-    T: int
-
-    def attend(self, layer, q, k, v):
-        c, s, e = self.cache, self.start, self.start + self.T
-        c.k[layer, s:e] = k
-        c.v[layer, s:e] = v
-        if layer == c.k.shape[0] - 1:
-            c.length = e
-        mask = None if self.T == 1 and (c.window is None or e <= c.window) else causal_mask(s, self.T, c.window)
-        return sdpa(q, c.k[layer, :e], c.v[layer, :e], mask)
+        return sdpa(q, k, v, causal_mask(0, T, window))
 
 
 @dataclass
@@ -116,8 +79,19 @@ class PagedAttention:
     prefills: list[PrefillSlice]
     decode_rows: torch.Tensor | None  # [B] rows of the flat batch that are one-token queries
     decode_tables: torch.Tensor | None  # [B, max_blocks], padded with block 0
-    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size]
-    window: int | None = None
+    decode_ctx: torch.Tensor | None  # [B, 1] keys each decode row sees (its position + 1)
+    windows: list[int | None]  # per layer
+    _decode_masks: dict = field(default_factory=dict)  # window -> [B, 1, 1, S], built once per step
+
+    def decode_mask(self, window: int | None) -> torch.Tensor:
+        if window not in self._decode_masks:
+            S = self.decode_tables.shape[1] * self.cache.block_size
+            key_pos = torch.arange(S, device=self.decode_ctx.device)
+            mask = key_pos < self.decode_ctx
+            if window is not None:
+                mask &= key_pos > self.decode_ctx - 1 - window
+            self._decode_masks[window] = mask[:, None, None, :]
+        return self._decode_masks[window]
 
     def attend(self, layer, q, k, v):
         kc, vc = self.cache.k[layer], self.cache.v[layer]  # [blocks, block_size, Hkv, D]
@@ -125,20 +99,21 @@ class PagedAttention:
         kc.view(nb * bs, H, D).index_copy_(0, self.slot_mapping, k)
         vc.view(nb * bs, H, D).index_copy_(0, self.slot_mapping, v)
         out = torch.empty_like(q)
+        window = self.windows[layer]
         for p in self.prefills:
             keys = kc[p.table].view(-1, H, D)[:p.ctx_len]
             vals = vc[p.table].view(-1, H, D)[:p.ctx_len]
             rows = slice(p.q_start, p.q_start + p.q_len)
-            if p.ctx_len == p.q_len and (self.window is None or self.window >= p.q_len):
+            if p.ctx_len == p.q_len and (window is None or window >= p.q_len):
                 out[rows] = sdpa(q[rows], keys, vals, None, causal=True)
             else:
-                out[rows] = sdpa(q[rows], keys, vals, causal_mask(p.ctx_len - p.q_len, p.q_len, self.window))
+                out[rows] = sdpa(q[rows], keys, vals, causal_mask(p.ctx_len - p.q_len, p.q_len, window))
         if self.decode_rows is not None:
             B = self.decode_rows.shape[0]
             keys = kc[self.decode_tables].view(B, -1, H, D).transpose(1, 2)  # [B, Hkv, S, D]
             vals = vc[self.decode_tables].view(B, -1, H, D).transpose(1, 2)
             qd = q[self.decode_rows].unsqueeze(2)  # [B, H, 1, D]
-            o = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=self.decode_mask,
+            o = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=self.decode_mask(window),
                                                enable_gqa=qd.shape[1] != H)
             out[self.decode_rows] = o.squeeze(2)
         return out

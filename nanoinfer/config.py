@@ -22,4 +22,9 @@ class ModelConfig:
     qk_norm: bool = False  # per-head RMSNorm on q and k before rotary (Qwen3)
     rope_scaling: dict | None = None  # HF-style dict, e.g. {"rope_type": "llama3", "factor": 8.0, ...}
     sliding_window: int | None = None  # Mistral: a query sees at most this many keys
+    layer_windows: list[int | None] | None = None  # per-layer windows (nanochat); overrides sliding_window
     extra: dict = field(default_factory=dict)
+
+    def windows(self) -> list[int | None]:
+        """The attention window of each layer (None = full causal)."""
+        return list(self.layer_windows) if self.layer_windows is not None else [self.sliding_window] * self.num_layers

@@ -16,6 +16,7 @@ class ModelRunner:
         self.config = config
         self.cache = cache
         self.device = cache.k.device
+        self.windows = config.windows()
 
     def build(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, PagedAttention, list[int], list[int]]:
         """Flatten the batch: ids, positions, attention metadata, the rows whose logits
@@ -49,27 +50,23 @@ class ModelRunner:
         attn = PagedAttention(
             self.cache, torch.tensor(slots, device=self.device), prefills,
             torch.tensor(decode_rows, device=self.device) if decode_rows else None, *decode,
-            window=self.config.sliding_window,
+            windows=self.windows,
         )
         return (torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), attn,
                 logits_rows, samplers)
 
     def _decode_metadata(self, batch: ScheduledBatch, which: list[int]):
+        """Block tables padded to one width, and each row's context length."""
         bs = self.cache.block_size
         ctx = [batch.seqs[i].num_computed + 1 for i in which]
         width = max(-(-c // bs) for c in ctx)
-        tables = [batch.seqs[i].block_table[:width] + [0] * (width - min(width, len(batch.seqs[i].block_table)))
-                  for i in which]
-        key_pos = torch.arange(width * bs, device=self.device)
-        ctx_t = torch.tensor(ctx, device=self.device).unsqueeze(1)
-        mask = key_pos < ctx_t
-        if self.config.sliding_window is not None:
-            mask &= key_pos > ctx_t - 1 - self.config.sliding_window
-        return torch.tensor(tables, device=self.device), mask[:, None, None, :]
+        tables = [(batch.seqs[i].block_table + [0] * width)[:width] for i in which]
+        return (torch.tensor(tables, device=self.device),
+                torch.tensor(ctx, device=self.device).unsqueeze(1))
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """Returns logits [num_sampling, vocab] (fp32) and the batch indices they belong to."""
         ids, positions, attn, logits_rows, samplers = self.build(batch)
-        logits = self.model(ids, positions, attn, torch.tensor(logits_rows, device=self.device))
+        logits = self.model(ids, positions, attn, torch.tensor(logits_rows, dtype=torch.long, device=self.device))
         return logits, samplers

@@ -5,8 +5,6 @@ import pytest
 import torch
 
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.attention import ContiguousKVCache
-from nanoinfer.loaders import load_model
 from nanoinfer.reference import generate_uncached
 
 CASES = [("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True), ("qwen3", False), ("mistral", False)]
@@ -26,45 +24,50 @@ def hf_greedy(model, ids: list[int], steps: int):
     return out.sequences[0, len(ids):].tolist(), [l[0].float() for l in out.logits]
 
 
-def check_parity(hf_model, loaded, steps: int = STEPS):
-    vocab = loaded.config.vocab_size
-    ids = prompt_ids(vocab)
-    # prefill: every position's logits
-    with torch.no_grad():
+def engine_greedy(llm: LLM, ids: list[int], steps: int):
+    """The engine's own loop (paged KV, chunked prefill), with the logits of every sampling step."""
+    captured = []
+    run = llm.engine.runner.run
+
+    def spy(batch):
+        logits, samplers = run(batch)
+        if samplers:
+            captured.append(logits[0].clone())
+        return logits, samplers
+
+    llm.engine.runner.run = spy
+    try:
+        out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True))
+    finally:
+        llm.engine.runner.run = run
+    return out[0].outputs[0].token_ids, captured
+
+
+def check_parity(hf_model, path, steps: int = STEPS):
+    # block_size 4 and a budget of 5 tokens: the prompt is prefilled in chunks across blocks
+    llm = LLM(path, block_size=4, max_num_batched_tokens=5)
+    ids = prompt_ids(llm.loaded.config.vocab_size)
+    with torch.no_grad():  # prefill, uncached: every position's logits
         ref = hf_model(torch.tensor([ids])).logits[0].float()
-        ours = loaded.model(torch.tensor(ids), torch.arange(len(ids)))
+        ours = llm.loaded.model(torch.tensor(ids), torch.arange(len(ids)))
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
-    # decode: our cached loop against transformers' cached loop, logits at every step
     ref_tokens, ref_logits = hf_greedy(hf_model, ids, steps)
-    c = loaded.config
-    cache = ContiguousKVCache(c.num_layers, len(ids) + steps, c.num_kv_heads, c.head_dim, window=c.sliding_window)
-    seq, start, tokens = list(ids), 0, []
-    with torch.no_grad():
-        for step in range(steps):
-            new = seq[start:]
-            logits = loaded.model(torch.tensor(new), torch.arange(start, start + len(new)),
-                                  cache.at(start, len(new)), torch.tensor([len(new) - 1]))[0]
-            torch.testing.assert_close(logits, ref_logits[step], atol=1e-4, rtol=0, msg=lambda m: f"step {step}: {m}")
-            start = len(seq)
-            tok = int(torch.argmax(logits))
-            tokens.append(tok)
-            seq.append(tok)
+    tokens, logits = engine_greedy(llm, ids, steps)
+    assert len(logits) == steps
+    for step, (a, b) in enumerate(zip(logits, ref_logits)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0, msg=lambda m: f"step {step}: {m}")
     assert tokens == ref_tokens
-    return ids, ref_tokens
+    return llm
 
 
 @pytest.mark.parametrize("kind,tie", CASES)
 def test_hf_folder_parity(make_hf_model, kind, tie):
     hf_model, path = make_hf_model(kind, tie)
-    loaded = load_model(path)
-    assert loaded.config.architecture == kind
-    assert loaded.config.tie_word_embeddings == tie
-    assert loaded.config.num_kv_heads < loaded.config.num_heads  # GQA
-    ids, ref_tokens = check_parity(hf_model, loaded)
-    # and the engine's own greedy loop gives the same tokens
-    llm = LLM(path)
-    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True))
-    assert out[0].outputs[0].token_ids == ref_tokens
+    llm = check_parity(hf_model, path)
+    config = llm.loaded.config
+    assert config.architecture == kind
+    assert config.tie_word_embeddings == tie
+    assert config.num_kv_heads < config.num_heads  # GQA
 
 
 @pytest.mark.parametrize("kind,tie", [("llama", False), ("llama", True), ("qwen2", False), ("qwen3", True)])
@@ -74,9 +77,7 @@ def test_gguf_parity(make_hf_model, tiny_tokenizer_dir, tmp_path, kind, tie):
     hf_model, _ = make_hf_model(kind, tie)
     path = tmp_path / "model.gguf"
     write_gguf_from_hf(hf_model, tiny_tokenizer_dir, path)
-    loaded = load_model(path)
-    assert loaded.format == "gguf"
-    check_parity(hf_model, loaded)
+    assert check_parity(hf_model, path).loaded.format == "gguf"
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral"])

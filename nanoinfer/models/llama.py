@@ -170,7 +170,7 @@ class LlamaForCausalLM(nn.Module):
         (all T rows when None): the LM head is the largest matmul, so prefill asks only
         for the positions that sample."""
         if attn is None:
-            attn = CausalAttention(self.config.sliding_window)
+            attn = CausalAttention(self.config.windows())
         x = self.model.embed_tokens(input_ids)
         dtype = x.dtype
         cos = self.rope_cos[positions].unsqueeze(1).to(dtype)
