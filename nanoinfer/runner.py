@@ -17,10 +17,13 @@ class ModelRunner:
         self.cache = cache
         self.device = cache.k.device
         self.windows = config.windows()
+        # Models that mix in the previous token (nanochat's smear) get its id for every position.
+        self.needs_prev_ids = getattr(model, "needs_prev_ids", False)
 
-    def build(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, PagedAttention, list[int], list[int]]:
+    def build(self, batch: ScheduledBatch):
         """Flatten the batch: ids, positions, attention metadata, the rows whose logits
-        are needed, and which sequences (indices into batch.seqs) they belong to."""
+        are needed, which sequences (indices into batch.seqs) they belong to, and extra
+        model inputs."""
         bs = self.cache.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -30,10 +33,13 @@ class ModelRunner:
         decode_seqs: list[int] = []
         logits_rows: list[int] = []
         samplers: list[int] = []
+        prev: list[int] = []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             start = seq.num_computed
             q_start = len(ids)
             ids.extend(seq.token_slice(start, start + n))
+            if self.needs_prev_ids:
+                prev.extend(seq.token_slice(start - 1, start + n - 1) if start else [-1] + ids[q_start:-1])
             positions.extend(range(start, start + n))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
@@ -52,8 +58,9 @@ class ModelRunner:
             torch.tensor(decode_rows, device=self.device) if decode_rows else None, *decode,
             windows=self.windows,
         )
+        extra = {"prev_ids": torch.tensor(prev, device=self.device)} if self.needs_prev_ids else {}
         return (torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), attn,
-                logits_rows, samplers)
+                logits_rows, samplers, extra)
 
     def _decode_metadata(self, batch: ScheduledBatch, which: list[int]):
         """Block tables padded to one width, and each row's context length."""
@@ -67,6 +74,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """Returns logits [num_sampling, vocab] (fp32) and the batch indices they belong to."""
-        ids, positions, attn, logits_rows, samplers = self.build(batch)
-        logits = self.model(ids, positions, attn, torch.tensor(logits_rows, dtype=torch.long, device=self.device))
+        ids, positions, attn, logits_rows, samplers, extra = self.build(batch)
+        logits = self.model(ids, positions, attn, torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+                            **extra)
         return logits, samplers
