@@ -25,6 +25,7 @@ from .sampling import RowSampler, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import ForwardStat, RequestOutput, Sequence, StreamDelta
 from .tokenizer import IncrementalDetokenizer, StopMatcher
+from .tool_use import ToolUseState, bind_tools
 
 
 @dataclass
@@ -35,6 +36,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
+    enable_tools: bool = True  # run tools (the calculator) when the vocabulary has their marker tokens
 
 
 @dataclass
@@ -63,6 +65,7 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.block_size, config.enable_prefix_caching), self.blocks)
         self.runner = ModelRunner(self.model, mc, self.cache)
+        self.tools = bind_tools(self.tokenizer) if config.enable_tools else []
         self.requests: dict[str, list[Sequence]] = {}
         self.last_step: StepStats | None = None
         self.total_steps = 0
@@ -97,6 +100,7 @@ class LLMEngine:
                 RowSampler(row_params, self.model_config.vocab_size, prompt_ids, banned),
                 IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens),
                 StopMatcher(params.stop), self.tokenizer.eos_token_ids, self.max_model_len,
+                ToolUseState(self.tools, self.tokenizer) if self.tools else None,
             ))
         # n samples share one prefill: only the first is scheduled; the others fork from it.
         seqs[0].forks = seqs[1:]

@@ -7,6 +7,7 @@ from enum import Enum
 
 from .sampling import Logprob, RowSampler, SamplingParams
 from .tokenizer import IncrementalDetokenizer, StopMatcher
+from .tool_use import ToolUseState
 
 
 class FinishCause(str, Enum):
@@ -86,6 +87,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
+    token_masks: list[int] = field(default_factory=list)  # 1 sampled, 0 forced (tool output)
 
 
 @dataclass
@@ -109,6 +111,7 @@ class StreamDelta:
     finished: bool
     finish_reason: str | None = None
     logprobs: list[dict[int, Logprob]] | None = None
+    token_masks: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -125,7 +128,9 @@ class Sequence:
     stop_matcher: StopMatcher
     eos_ids: frozenset[int]
     max_model_len: int
+    tool_use: ToolUseState | None = None
     output_ids: list[int] = field(default_factory=list)
+    output_mask: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
@@ -164,18 +169,33 @@ class Sequence:
         return self.prompt_ids[start:] + self.output_ids[:end - p]
 
     def append(self, token: int, logprobs: dict[int, Logprob] | None) -> StreamDelta:
-        """Take a sampled token, apply the stop policy, and return what the user sees new."""
-        now = time.perf_counter()
-        self.stats.token_times.append(now)
-        self.output_ids.append(token)
+        """Take a sampled token, apply the stop policy and tool use, and return what is new."""
+        self.stats.token_times.append(time.perf_counter())
         if logprobs is not None and self.logprobs is not None:
             self.logprobs.append(logprobs)
             self.cumulative_logprob += logprobs[token].logprob
+        text = self._take(token, 1)
+        tokens = [token]
+        if not self.finished and self.tool_use is not None:
+            for forced in self.tool_use.after_token(token):
+                text += self._take(forced, 0)
+                tokens.append(forced)
+                if self.finished:
+                    break
+        if self.finished:
+            text += self.release_held_text()
+        self.text += text
+        return self.delta(text, tokens, logprobs)
+
+    def _take(self, token: int, mask: int) -> str:
+        """Append one output token; return its new text; set finish_cause if it ends the sequence."""
+        self.output_ids.append(token)
+        self.output_mask.append(mask)
         p = self.params
         text = ""
-        if token in self.eos_ids and not p.ignore_eos:
+        if mask and token in self.eos_ids and not p.ignore_eos:
             self.finish_cause = FinishCause.EOS
-        elif token in p.stop_token_ids:
+        elif mask and token in p.stop_token_ids:
             self.finish_cause, self.stop_reason = FinishCause.STOP_TOKEN, token
         else:
             text, stopped = self.stop_matcher.feed(self.detok.add(token))
@@ -186,10 +206,7 @@ class Sequence:
                 self.finish_cause = FinishCause.MAX_TOKENS
             elif self.length >= self.max_model_len:
                 self.finish_cause = FinishCause.CONTEXT_FULL
-        if self.finished:
-            text += self.release_held_text()
-        self.text += text
-        return self.delta(text, [token], logprobs)
+        return text
 
     def release_held_text(self) -> str:
         """At the end, text the detokenizer or the stop matcher held back belongs to the output,
@@ -210,11 +227,12 @@ class Sequence:
     def delta(self, text: str, token_ids: list[int], logprobs) -> StreamDelta:
         return StreamDelta(self.request_id, self.index, text, token_ids, self.finished,
                            self.finish_cause.finish_reason if self.finished else None,
-                           [logprobs] if logprobs is not None else None)
+                           [logprobs] if logprobs is not None else None,
+                           self.output_mask[len(self.output_mask) - len(token_ids):])
 
     def completion(self) -> CompletionOutput:
         return CompletionOutput(
             self.index, self.text, list(self.output_ids),
             self.finish_cause.finish_reason if self.finished else None, self.finish_cause, self.stop_reason,
-            self.logprobs, self.cumulative_logprob if self.logprobs is not None else None,
+            self.logprobs, self.cumulative_logprob if self.logprobs is not None else None, list(self.output_mask),
         )

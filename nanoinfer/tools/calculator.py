@@ -125,11 +125,14 @@ def _bounded(value: int | float) -> int | float:
 
 @dataclass(frozen=True)
 class Tool:
-    """A tool the model calls by emitting `start_token expr end_token`; fn returns the text to insert."""
+    """A tool the model calls by emitting `start_token expr end_token`; fn returns the text that
+    the engine then forces into the output between output_start and output_end."""
     name: str
     start_token: str
     end_token: str
     fn: Callable[[str], str | None]
+    output_start: str = "<|output_start|>"
+    output_end: str = "<|output_end|>"
 
 
 def _calculator_fn(expr: str) -> str | None:

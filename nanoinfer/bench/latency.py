@@ -1,0 +1,174 @@
+"""`bench latency`: one prefill and a decode run per batch size, against the roofline.
+
+For each batch size B, B random prompts of P tokens are submitted at once with a token
+budget that prefills them all in one step; that step is the TTFT. Then every decode
+step is timed: TPOT is the median step (robust to a stray slow step on a shared
+machine), decode tok/s is B / TPOT. MBU and MFU compare the step with what the
+hardware could do at the middle of the decode (context P + D/2).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import time
+
+import torch
+
+from ..engine import EngineConfig, LLMEngine
+from ..errors import NanoinferError
+from ..sampling import SamplingParams
+from .common import (BenchEnv, emit_json, fmt_bytes, fmt_pct, fmt_si, kv_pool_bytes, median, on_gpu,
+                     peak_memory_bytes, plot_path, print_table, progress, progress_done, random_prompt,
+                     reset_peak_memory, run_meta, setup, sync)
+
+BLOCK_SIZE = 16
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise NanoinferError(f"--batch-sizes {text!r}: give integers separated by commas, e.g. 1,8,32") from None
+    if not sizes or any(b < 1 for b in sizes):
+        raise NanoinferError(f"--batch-sizes {text!r}: every batch size must be >= 1")
+    return sizes
+
+
+def print_card(env: BenchEnv, card: dict) -> None:
+    p, w = env.peaks, card["weight_bytes_detail"]
+    tied = "tied: the table is the LM head" if w["tied"] else f"untied: {fmt_bytes(w['embedding'])} table, one row read per sequence"
+    cb = card["compute_bound_batch"]
+    print(f"model      {env.loaded.path.name} ({env.loaded.format}, {env.loaded.config.architecture}), "
+          f"{env.dtype} on {env.device}, {torch.get_num_threads()} threads")
+    print(f"peaks      {fmt_si(p.flops, 'FLOP/s')}, {fmt_si(p.bandwidth, 'B/s')} ({p.source}: {p.device_name})")
+    print(f"weights    {fmt_bytes(card['weight_bytes'])} as served ({tied})")
+    print(f"KV cache   {fmt_bytes(card['kv_bytes_per_token'])}/token; a decode step at context {card['context']} "
+          f"reads {fmt_bytes(card['kv_bytes_read_per_seq'])}/sequence")
+    print(f"decode     {fmt_si(card['decode_flops_per_token'], 'FLOP')}/token, "
+          f"{fmt_bytes(card['decode_bytes_batch1'])}/step at batch 1")
+    print(f"ceiling    {card['batch1_ceiling_tok_s']:.1f} tok/s at batch 1 (bandwidth-bound); compute-bound from batch "
+          f"{'never (KV traffic grows as fast as compute)' if cb is None else f'{cb:.0f}'}")
+    print("bytes      weights as served + embedding rows touched + KV within windows "
+          "(nanochat counts whole tables and fp32 weights)")
+    print()
+
+
+def run_batch(env: BenchEnv, batch: int, prompt_len: int, decode_len: int, seed: int) -> dict:
+    """Prefill `batch` prompts in one step, then decode to the end; times in seconds."""
+
+    rl, mc = env.roofline, env.loaded.config
+    total = prompt_len + decode_len
+    engine = LLMEngine(env.loaded, EngineConfig(
+        max_model_len=total, kv_cache_memory=kv_pool_bytes(rl, [total] * batch, BLOCK_SIZE),
+        block_size=BLOCK_SIZE, max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len))
+    rng = random.Random(seed + batch)
+    params = SamplingParams(temperature=0.0, max_tokens=decode_len, ignore_eos=True)
+    reset_peak_memory(env.device)
+    for i in range(batch):
+        engine.add_request(str(i), random_prompt(rng, prompt_len, mc.vocab_size), params)
+    progress(f"batch {batch}: prefill {batch} x {prompt_len} tokens ...")
+    sync(env.device)
+    t0 = time.perf_counter()
+    engine.step()
+    sync(env.device)
+    ttft = time.perf_counter() - t0
+    if engine.last_step.num_tokens != batch * prompt_len:
+        raise NanoinferError(f"batch {batch}: the prefill took more than one step (KV pool or budget too small)")
+    steps: list[float] = []
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        engine.step()
+        sync(env.device)
+        steps.append(time.perf_counter() - t0)
+        progress(f"batch {batch}: decode step {len(steps)}/{decode_len - 1}", throttle=True)
+    progress_done()
+    generated = [len(engine.release(str(i)).outputs[0].token_ids) for i in range(batch)]
+    memory = peak_memory_bytes(env.device)
+    del engine
+    gc.collect()
+
+    mid = prompt_len + decode_len // 2
+    tpot = median(steps)
+    prefill_flops = rl.prefill_flops(batch, prompt_len)
+    step_bytes = rl.decode_step_bytes(batch, mid)
+    step_flops = rl.decode_step_flops(batch, mid)
+    p = env.peaks
+    return {
+        "batch_size": batch,
+        "prompt_len": prompt_len,
+        "decode_len": decode_len,
+        "generated_tokens": sum(generated),
+        "ttft_s": ttft,
+        "prefill_tok_s": batch * prompt_len / ttft,
+        "prefill_flops": prefill_flops,
+        "prefill_bytes": rl.prefill_bytes(batch, prompt_len),
+        "prefill_mfu": prefill_flops / ttft / p.flops,
+        "decode_steps": len(steps),
+        "tpot_s": tpot,
+        "tpot_mean_s": sum(steps) / len(steps),
+        "decode_tok_s": batch / tpot,
+        "decode_tok_s_mean": batch * len(steps) / sum(steps),  # B x steps / time, as nanochat's tok/s
+        "decode_context": mid,
+        "decode_step_bytes": step_bytes,
+        "decode_step_flops": step_flops,
+        "mbu": step_bytes / tpot / p.bandwidth,
+        "mfu": step_flops / tpot / p.flops,
+        "peak_memory_bytes": memory,
+        "peak_memory_kind": "cuda_max_allocated" if env.device.type == "cuda" else "rss_high_water",
+    }
+
+
+def warm_up(env: BenchEnv) -> None:
+    """First calls pay for allocator growth, lazy init and kernel selection: not latency."""
+    rl = env.roofline
+    engine = LLMEngine(env.loaded, EngineConfig(max_model_len=40, kv_cache_memory=kv_pool_bytes(rl, [40, 40], BLOCK_SIZE),
+                                                block_size=BLOCK_SIZE, max_num_batched_tokens=64))
+    rng = random.Random(0)
+    for i in range(2):
+        engine.add_request(str(i), random_prompt(rng, 32, env.loaded.config.vocab_size),
+                           SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    sync(env.device)
+
+
+def run(args: argparse.Namespace) -> int:
+    gpu = on_gpu(args)
+    batch_sizes = parse_batch_sizes(args.batch_sizes or ("1,8,32,128" if gpu else "1,8,32"))
+    decode_len = args.decode_len or (256 if gpu else 64)
+    if args.prompt_len is not None and args.prompt_len < 1:
+        raise NanoinferError("--prompt-len must be >= 1")
+    if decode_len < 2:
+        raise NanoinferError("--decode-len must be >= 2 (the first token comes from the prefill)")
+    plot = plot_path(args)
+    env = setup(args)
+    max_len = env.loaded.config.max_position_embeddings
+    if decode_len >= max_len:
+        raise NanoinferError(f"--decode-len {decode_len} leaves no room for a prompt in the context of {max_len}")
+    # As nanochat's bench: the prompt is clamped so that prompt + decode fits the context.
+    prompt_len = min(args.prompt_len or (2048 if gpu else 128), max_len - decode_len)
+    mid = prompt_len + decode_len // 2
+    card = env.roofline.card(mid, env.peaks.flops, env.peaks.bandwidth)
+    print_card(env, card)
+
+    warm_up(env)
+    results = []
+    for b in batch_sizes:
+        results.append(run_batch(env, b, prompt_len, decode_len, args.seed))
+    print(f"prompt {prompt_len} tokens, decode {decode_len} tokens; TPOT = median decode step; "
+          f"MBU/MFU at context {mid}")
+    rows = [[str(r["batch_size"]), f"{r['ttft_s'] * 1e3:.1f}", f"{r['prefill_tok_s']:.1f}", fmt_pct(r["prefill_mfu"]),
+             f"{r['tpot_s'] * 1e3:.2f}", f"{r['decode_tok_s']:.1f}", fmt_pct(r["mbu"]), fmt_pct(r["mfu"]),
+             fmt_bytes(r["peak_memory_bytes"])] for r in results]
+    print_table(["batch", "TTFT ms", "prefill tok/s", "prefill MFU", "TPOT ms", "decode tok/s", "MBU", "MFU",
+                 "peak mem"], rows)
+    if env.device.type == "cpu":
+        print("(peak mem: the process's RSS high-water mark so far, model included)")
+    if plot:
+        from .plots import plot_roofline
+        plot_roofline(plot, env.peaks.flops, env.peaks.bandwidth, results,
+                      title=f"{env.loaded.path.name}, {env.dtype}, {env.peaks.device_name}")
+        print(f"roofline plot: {plot}")
+    emit_json({**run_meta(env, "latency"), "card": card, "results": results, "plot": plot})
+    return 0

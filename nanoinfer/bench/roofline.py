@@ -1,0 +1,210 @@
+"""What a forward must move and compute: the yardsticks the benchmarks measure against.
+
+Decode reads every weight once per step whatever the batch, plus each sequence's KV
+cache, and does about 2 FLOPs per weight per sequence. So small batches are bound by
+memory bandwidth, and a batch turns compute-bound only once B x FLOPs / peak FLOP/s
+overtakes bytes / peak bandwidth.
+
+Bytes here are the bytes a good engine must move: the weights as served (the tensors
+the engine holds, in their dtype), only the embedding rows a batch looks up (a tied
+table is read whole anyway, as the LM head), and each layer's KV cache within its
+window. nanochat's MBU counts whole embedding tables and fp32 weights; that overstates
+the traffic, so these figures are not comparable one to one.
+
+All functions are pure: a ModelConfig and (name, tensor) pairs in, integers out. Meta
+tensors work, so tests can account for a model without allocating it.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+
+
+# --- weights -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WeightBytes:
+    embedding: int  # the token embedding table when untied (0 when tied: it is counted as lm_head)
+    embedding_row: int  # one row of the table: what a lookup reads
+    lm_head: int
+    body: int  # everything else: the layers' matmuls, norms, biases, the final norm
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.lm_head + self.body
+
+
+def served_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The model's weights as the engine holds them: parameters (a tied table once) and
+    persistent buffers (a quantised linear may keep packed weights there), but not
+    derived buffers such as the rotary tables."""
+    persistent = set(model.state_dict(keep_vars=True))
+    out = list(model.named_parameters())  # named_parameters() drops the tied duplicate
+    out += [(n, b) for n, b in model.named_buffers() if n in persistent]
+    return out
+
+
+def _is_embedding(name: str) -> bool:
+    return "embed_tokens" in name or name.split(".")[-2:-1] == ["wte"]
+
+
+def weight_bytes(tensors: Iterable[tuple[str, torch.Tensor]], tied: bool) -> WeightBytes:
+    """Classify bytes by tensor name (Hugging Face names, which every loader keeps)."""
+    embedding = lm_head = body = row = 0
+    for name, t in tensors:
+        n = t.numel() * t.element_size()
+        if _is_embedding(name):
+            row = n // t.shape[0]
+            if tied:
+                lm_head += n
+            else:
+                embedding += n
+        elif name.startswith("lm_head"):
+            lm_head += n
+        else:
+            body += n
+    return WeightBytes(embedding, row, lm_head, body)
+
+
+def model_weight_bytes(model: nn.Module, config: ModelConfig) -> WeightBytes:
+    return weight_bytes(served_tensors(model), config.tie_word_embeddings)
+
+
+# --- per-token constants -------------------------------------------------------------
+def layer_windows(config: ModelConfig) -> list[int | None]:
+    windows = getattr(config, "windows", None)
+    return windows() if callable(windows) else [config.sliding_window] * config.num_layers
+
+
+def matmul_params(config: ModelConfig) -> int:
+    """Weights that take part in a matmul for every token: q, k, v, o, the gated MLP's three
+    matrices per layer, and the LM head (tied or not, its matmul happens)."""
+    h, q, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * config.intermediate_size
+    return config.num_layers * per_layer + lm_head_params(config)
+
+
+def lm_head_params(config: ModelConfig) -> int:
+    return config.hidden_size * config.vocab_size
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
+    """K and V of one token in every layer."""
+    return config.num_layers * 2 * config.num_kv_heads * config.head_dim * dtype_bytes
+
+
+def _keys_seen(context: int, window: int | None) -> int:
+    return context if window is None else min(context, window)
+
+
+def kv_bytes_read(config: ModelConfig, context: int, dtype_bytes: int) -> int:
+    """KV bytes one sequence's decode step reads when it attends over `context` keys:
+    each layer reads only the keys inside its window."""
+    per_key = 2 * config.num_kv_heads * config.head_dim * dtype_bytes
+    return sum(per_key * _keys_seen(context, w) for w in layer_windows(config))
+
+
+def attention_flops_per_key(config: ModelConfig) -> int:
+    """q.k and p.v: 2 FLOPs each per query head per head dim."""
+    return 4 * config.num_heads * config.head_dim
+
+
+def decode_flops_per_token(config: ModelConfig, context: int) -> int:
+    """One decoded token attending over `context` keys (itself included)."""
+    attn = attention_flops_per_key(config) * sum(_keys_seen(context, w) for w in layer_windows(config))
+    return 2 * matmul_params(config) + attn
+
+
+def _sum_keys(first: int, last: int, window: int | None) -> int:
+    """Sum of min(c, window) for c in first..last: the keys a run of causal queries sees."""
+    if last < first:
+        return 0
+    if window is None or last <= window:
+        return (first + last) * (last - first + 1) // 2
+    if first > window:
+        return (last - first + 1) * window
+    return (first + window) * (window - first + 1) // 2 + (last - window) * window
+
+
+def prefill_flops(config: ModelConfig, num_tokens: int, past: int = 0, logits_rows: int = 1) -> int:
+    """One sequence prefilling `num_tokens` after `past` cached ones. The query at position
+    past + i (i from 1) sees min(past + i, window) keys: the causal average, summed exactly.
+    The LM head runs only for the rows that sample (the engine computes the last one only)."""
+    body = matmul_params(config) - lm_head_params(config)
+    attn = sum(_sum_keys(past + 1, past + num_tokens, w) for w in layer_windows(config))
+    return 2 * body * num_tokens + 2 * lm_head_params(config) * logits_rows + attention_flops_per_key(config) * attn
+
+
+# --- the roofline of one model as served ----------------------------------------------
+@dataclass(frozen=True)
+class Roofline:
+    config: ModelConfig
+    weights: WeightBytes
+    kv_dtype_bytes: int  # the KV cache is kept in the model's dtype
+
+    @classmethod
+    def for_model(cls, model: nn.Module, config: ModelConfig) -> "Roofline":
+        dtype_bytes = next(model.parameters()).element_size()
+        return cls(config, model_weight_bytes(model, config), dtype_bytes)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.config, self.kv_dtype_bytes)
+
+    def fixed_step_bytes(self) -> int:
+        """Read once per decode step whatever the batch: the body and the LM head."""
+        return self.weights.body + self.weights.lm_head
+
+    def per_seq_step_bytes(self, context: int) -> int:
+        """Read per sequence in a decode step: its embedding row (untied) and its KV."""
+        row = 0 if self.config.tie_word_embeddings else self.weights.embedding_row
+        return row + kv_bytes_read(self.config, context, self.kv_dtype_bytes)
+
+    def decode_step_bytes(self, batch: int, context: int) -> int:
+        return self.fixed_step_bytes() + batch * self.per_seq_step_bytes(context)
+
+    def decode_step_flops(self, batch: int, context: int) -> int:
+        return batch * decode_flops_per_token(self.config, context)
+
+    def prefill_bytes(self, batch: int, num_tokens: int) -> int:
+        """Weights once, each prompt token's embedding row (untied), and the KV it writes."""
+        row = 0 if self.config.tie_word_embeddings else self.weights.embedding_row
+        return self.fixed_step_bytes() + batch * num_tokens * (row + self.kv_bytes_per_token)
+
+    def prefill_flops(self, batch: int, num_tokens: int) -> int:
+        return batch * prefill_flops(self.config, num_tokens)
+
+    def batch1_ceiling(self, peak_bandwidth: float, context: int) -> float:
+        """Tokens/s of batch-1 decode if every byte moved at peak bandwidth."""
+        return peak_bandwidth / self.decode_step_bytes(1, context)
+
+    def compute_bound_batch(self, peak_flops: float, peak_bandwidth: float, context: int) -> float | None:
+        """The batch B where B * flops/peak_flops = bytes(B)/peak_bw, i.e.
+        B = (fixed/bw) / (flops/peak_flops - per_seq/bw). None when KV traffic grows as fast
+        as compute (long contexts): decode then never turns compute-bound."""
+        denom = decode_flops_per_token(self.config, context) / peak_flops - self.per_seq_step_bytes(context) / peak_bandwidth
+        if denom <= 0:
+            return None
+        return self.fixed_step_bytes() / peak_bandwidth / denom
+
+    def card(self, context: int, peak_flops: float, peak_bandwidth: float) -> dict:
+        """The static figures, as printed before a latency run."""
+        return {
+            "weight_bytes": self.weights.total,
+            "weight_bytes_detail": {"body": self.weights.body, "lm_head": self.weights.lm_head,
+                                    "embedding": self.weights.embedding,
+                                    "embedding_row": self.weights.embedding_row,
+                                    "tied": self.config.tie_word_embeddings},
+            "matmul_params": matmul_params(self.config),
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "context": context,
+            "kv_bytes_read_per_seq": kv_bytes_read(self.config, context, self.kv_dtype_bytes),
+            "decode_bytes_batch1": self.decode_step_bytes(1, context),
+            "decode_flops_per_token": decode_flops_per_token(self.config, context),
+            "batch1_ceiling_tok_s": self.batch1_ceiling(peak_bandwidth, context),
+            "compute_bound_batch": self.compute_bound_batch(peak_flops, peak_bandwidth, context),
+        }

@@ -1,0 +1,1 @@
+"""Drop-in APIs of other projects, on top of nanoinfer's engine."""
