@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -31,6 +32,39 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--ignore-eos", action="store_true")
 
 
+# How tool calls show in the terminal (nanochat models): the marker tokens are special,
+# so they are kept in the text and drawn readably instead of being dropped.
+TOOL_MARKERS = {"<|python_start|>": "[calculator: ", "<|python_end|>": "]", "<|output_start|>": " = ",
+                "<|output_end|>": " "}
+
+
+def readable(text: str) -> str:
+    for marker, shown in TOOL_MARKERS.items():
+        text = text.replace(marker, shown)
+    return text
+
+
+TOOL_CALL = re.compile(r"<\|python_start\|>(.*?)<\|python_end\|>(?:<\|output_start\|>(.*?)<\|output_end\|>)?", re.S)
+
+
+def assistant_message(text: str) -> dict:
+    """A reply for the history. Tool calls become nanochat's content parts, so the next
+    turn renders them as tool tokens again rather than as typed text."""
+    if "<|python_start|>" not in text:
+        return {"role": "assistant", "content": text}
+    parts, pos = [], 0
+    for m in TOOL_CALL.finditer(text):
+        if m.start() > pos:
+            parts.append({"type": "text", "text": text[pos:m.start()]})
+        parts.append({"type": "python", "text": m.group(1)})
+        if m.group(2) is not None:
+            parts.append({"type": "python_output", "text": m.group(2)})
+        pos = m.end()
+    if pos < len(text):
+        parts.append({"type": "text", "text": text[pos:]})
+    return {"role": "assistant", "content": parts}
+
+
 def sampling_params(a: argparse.Namespace):
     from .sampling import SamplingParams
     return SamplingParams(
@@ -38,6 +72,12 @@ def sampling_params(a: argparse.Namespace):
         repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
         frequency_penalty=a.frequency_penalty, seed=a.seed, max_tokens=a.max_tokens,
         stop=a.stop, ignore_eos=getattr(a, "ignore_eos", False))
+
+
+def with_tool_markers(llm, params):
+    """Models with tools keep their tool markers in the text (drawn by `readable`)."""
+    from dataclasses import replace
+    return replace(params, skip_special_tokens=False) if llm.engine.tools else params
 
 
 def load_llm(a: argparse.Namespace):
@@ -66,8 +106,9 @@ def format_stats(out) -> str:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
+    params = sampling_params(a)  # bad values fail before the model loads
     llm = load_llm(a)
-    params = sampling_params(a)
+    params = with_tool_markers(llm, params)
     if a.chat:
         messages = ([{"role": "system", "content": a.system}] if a.system else []) + [
             {"role": "user", "content": a.prompt}]
@@ -78,7 +119,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
             print(a.prompt, end="", flush=True)
     try:
         for delta in stream:
-            print(delta.text, end="", flush=True)
+            print(readable(delta.text), end="", flush=True)
     except KeyboardInterrupt:
         stream.close()
         print("\n[stopped]", file=sys.stderr)
@@ -105,8 +146,9 @@ def fit_history(llm, history: list[dict], reserve: int) -> tuple[list[int], int]
 
 
 def cmd_chat(a: argparse.Namespace) -> int:
-    llm = load_llm(a)
     params = sampling_params(a)
+    llm = load_llm(a)
+    params = with_tool_markers(llm, params)
     reserve = min(a.max_tokens or 256, llm.max_model_len // 2)
     system = [{"role": "system", "content": a.system}] if a.system else []
     history = list(system)
@@ -144,12 +186,12 @@ def cmd_chat(a: argparse.Namespace) -> int:
         try:
             for delta in stream:
                 reply.append(delta.text)
-                print(delta.text, end="", flush=True)
+                print(readable(delta.text), end="", flush=True)
         except KeyboardInterrupt:
             stream.close()
             print(" [stopped]", end="")
         print()
-        history.append({"role": "assistant", "content": "".join(reply)})
+        history.append(assistant_message("".join(reply)))
         if a.stats:
             print(format_stats(llm.last_output), file=sys.stderr)
 

@@ -1,0 +1,149 @@
+"""The engine on its own thread, for servers: asyncio in front, the step loop behind.
+
+Request handlers never run model code on the event loop. They put commands (add,
+abort) on a thread-safe queue; the engine thread applies them between steps, runs
+`step()`, and hands each request's deltas back to its asyncio queue with
+`call_soon_threadsafe`. A handler that stops listening (client gone) aborts its
+request, which frees its KV blocks at the next step boundary.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from .engine import LLMEngine
+from .sampling import SamplingParams
+from .sequence import RequestOutput, StreamDelta
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+    sink: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+_FINISHED = object()  # sentinel closing a request's stream; followed by nothing
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.commands: queue.Queue = queue.Queue()
+        self.sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self.metrics: dict = engine.metrics()  # a snapshot, replaced by the engine thread after each step
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="nanoinfer-engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    # --- the engine thread ------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.engine.has_unfinished():
+                self._apply(self.commands.get())  # idle: sleep until a command arrives
+            while not self.commands.empty():
+                self._apply(self.commands.get_nowait())
+            if self.engine.has_unfinished():
+                try:
+                    deltas = self.engine.step()
+                except Exception as e:  # a bug in a step must not leave clients hanging
+                    self.error = e
+                    for rid in list(self.sinks):
+                        self._apply(_Abort(rid))
+                    continue
+                for d in deltas:
+                    self._send(d.request_id, d)
+                    if d.finished and self.engine.output(d.request_id).finished:
+                        self._close(d.request_id)
+            self.metrics = self.engine.metrics()
+
+    def _apply(self, cmd) -> None:
+        if cmd is None:
+            return
+        if isinstance(cmd, _Add):
+            self.sinks[cmd.request_id] = (cmd.sink, cmd.loop)
+            try:
+                self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.prompt)
+            except Exception as e:
+                self._send(cmd.request_id, e)
+                self.sinks.pop(cmd.request_id, None)
+        elif isinstance(cmd, _Abort) and cmd.request_id in self.engine.requests:
+            for d in self.engine.abort(cmd.request_id):
+                self._send(cmd.request_id, d)
+            self._close(cmd.request_id)
+
+    def _send(self, rid: str, item) -> None:
+        sink = self.sinks.get(rid)
+        if sink is not None:
+            q, loop = sink
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # the event loop is closed: nobody is listening
+                pass
+
+    def _close(self, rid: str) -> None:
+        out = self.engine.release(rid)
+        self._send(rid, out)
+        self._send(rid, _FINISHED)
+        self.sinks.pop(rid, None)
+
+    # --- the asyncio side -------------------------------------------------------
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}-{int(time.time() * 1000)}"
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                       prompt: str | None = None) -> AsyncIterator[StreamDelta | RequestOutput]:
+        """Yield this request's deltas as they come, then its final RequestOutput.
+        Raises the engine's error if the request is refused. Closing early aborts it."""
+        if self._stop.is_set():
+            raise RuntimeError("the engine is shutting down")
+        rid = request_id or self.new_request_id()
+        sink: asyncio.Queue = asyncio.Queue()
+        self.commands.put(_Add(rid, prompt_ids, params, prompt, sink, asyncio.get_running_loop()))
+        finished = False
+        try:
+            while True:
+                item = await sink.get()
+                if item is _FINISHED:
+                    finished = True
+                    return
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                yield item
+        finally:
+            if not finished:
+                self.commands.put(_Abort(rid))
+
+    def abort(self, request_id: str) -> None:
+        self.commands.put(_Abort(request_id))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Let in-flight requests finish for up to `timeout` seconds, then abort the rest."""
+        deadline = time.monotonic() + timeout
+        while self.engine.has_unfinished() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for rid in list(self.sinks):
+            self.commands.put(_Abort(rid))
+        self.commands.put(None)
+        time.sleep(0.1)
+        self._stop.set()
+        self.commands.put(None)
+        self.thread.join(timeout=5)
