@@ -38,10 +38,13 @@ TOOL_MARKERS = {"<|python_start|>": "[calculator: ", "<|python_end|>": "]", "<|o
                 "<|output_end|>": " "}
 
 
+OTHER_SPECIAL = re.compile(r"<\|[A-Za-z_]{1,40}\|>")
+
+
 def readable(text: str) -> str:
     for marker, shown in TOOL_MARKERS.items():
         text = text.replace(marker, shown)
-    return text
+    return OTHER_SPECIAL.sub("", text)  # any other special token is never printed raw
 
 
 TOOL_CALL = re.compile(r"<\|python_start\|>(.*?)<\|python_end\|>(?:<\|output_start\|>(.*?)<\|output_end\|>)?", re.S)

@@ -48,13 +48,16 @@ def detect_format(path: Path) -> str:
         raise ModelLoadError(f"{path}: not a GGUF file (bad magic) and not a model folder")
     if (path / "config.json").is_file():
         return "hf"
-    if (path / "tokenizer.pkl").is_file() or any(path.glob("meta_*.json")) or any(path.glob("*_checkpoints")):
+    # nanochat: a base dir, a *_checkpoints dir, a tag dir (model_/meta_ files) or a tokenizer dir
+    if (path.name.endswith("_checkpoints") or (path / "tokenizer.pkl").is_file()
+            or any(any(path.glob(p)) for p in ("*_checkpoints", "meta_*.json", "model_*.pt", "*/meta_*.json"))):
         return "nanochat"
     raise ModelLoadError(f"{path}: not a GGUF file, a Hugging Face folder (config.json) or a nanochat checkpoint")
 
 
 def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
-    """Only the tokenizer: a GGUF (vocab-only ones too) or a folder with tokenizer.json."""
+    """Only the tokenizer: a GGUF (vocab-only ones too), a folder with tokenizer.json, or a
+    nanochat base/checkpoint dir (its tokenizer.pkl)."""
     path = Path(path).expanduser() if path is not None else default_model_path()
     if not path.exists():
         raise ModelLoadError(f"{path}: no such file or directory")
@@ -64,7 +67,9 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
         return Tokenizer.from_gguf_metadata(read_gguf_metadata(path))
     if fmt == "hf":
         return Tokenizer.from_hf_folder(path)
-    raise ModelLoadError(f"{path}: tokenizer-only loading is not supported for {fmt}")
+    from ..tokenizer_nanochat import NanochatTokenizer
+    from .nanochat import find_tokenizer
+    return NanochatTokenizer.from_pickle(find_tokenizer(path))
 
 
 def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32,
@@ -86,8 +91,11 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float3
         if not (path / "tokenizer.json").is_file():
             raise ModelLoadError(f"{path}: no tokenizer.json")
         tokenizer = Tokenizer.from_hf_folder(path)
-    else:
-        raise ModelLoadError(f"{path}: nanochat checkpoints are not supported yet")
+    else:  # nanochat: its own module and tokenizer
+        from .nanochat import build_model, load_nanochat
+        config, state, nanochat_tokenizer, _ = load_nanochat(path, dtype=dtype)
+        model = build_model(config, state, device)
+        return LoadedModel(model, nanochat_tokenizer, config, path, fmt, time.perf_counter() - t0)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     try:
