@@ -85,7 +85,12 @@ def with_tool_markers(llm, params):
 
 def load_llm(a: argparse.Namespace):
     from .llm import LLM
-    llm = LLM(a.model, dtype=a.dtype, max_model_len=a.max_model_len)
+    from .loaders import detect_format
+    overrides = None
+    if a.model and a.max_model_len and Path(a.model).exists() and detect_format(Path(a.model)) == "nanochat":
+        # nanochat's windows let it slide past sequence_len (up to 10x): widen its rotary table
+        overrides = {"max_position_embeddings": a.max_model_len}
+    llm = LLM(a.model, dtype=a.dtype, max_model_len=a.max_model_len, model_overrides=overrides)
     lm = llm.loaded
     params = sum(p.numel() for p in lm.model.parameters())
     print(f"[{lm.path.name}: {lm.format}, {lm.config.architecture}, {params / 1e6:.0f}M params, "

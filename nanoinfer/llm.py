@@ -22,16 +22,17 @@ Prompt = str | list[int] | dict
 
 class LLM:
     def __init__(self, model: str | Path | None = None, *, dtype: str = "float32", device: str = "cpu",
-                 **engine_args):
+                 model_overrides: dict | None = None, **engine_args):
         """engine_args: the fields of EngineConfig (max_model_len, kv_cache_memory, block_size,
-        max_num_seqs, max_num_batched_tokens, enable_prefix_caching)."""
+        max_num_seqs, max_num_batched_tokens, enable_prefix_caching, enable_tools).
+        model_overrides: nanochat checkpoint selection and constants (see loaders.load_model)."""
         if dtype not in DTYPES:
             raise InvalidRequestError(f"dtype={dtype!r} must be one of {', '.join(DTYPES)}")
         try:
             config = EngineConfig(**engine_args)
         except TypeError as e:
             raise InvalidRequestError(str(e)) from None
-        self.loaded = load_model(model, dtype=DTYPES[dtype], device=device)
+        self.loaded = load_model(model, dtype=DTYPES[dtype], device=device, overrides=model_overrides)
         self.engine = LLMEngine(self.loaded, config)
         self.tokenizer = self.loaded.tokenizer
         self._ids = itertools.count()

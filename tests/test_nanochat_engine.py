@@ -58,3 +58,21 @@ def test_chat_and_cli_on_nanochat(root, llm, capsys):
     assert "<|" not in out.outputs[0].text  # special tokens are never printed raw
     assert main(["generate", "hi", "--chat", "--model", str(root), "-t", "0", "-n", "6"]) == 0
     assert "<|" not in capsys.readouterr().out
+
+
+def test_conversation_longer_than_sequence_len(root, llm):
+    """By default the context window is sequence_len: a longer prompt is a clear error and a
+    long generation ends with finish_reason length. With max_position_embeddings raised
+    (up to 10x), generation slides past sequence_len as nanochat's windows allow."""
+    from nanoinfer import InvalidRequestError
+    seq_len = llm.loaded.config.extra["sequence_len"]
+    assert llm.max_model_len == seq_len
+    with pytest.raises(InvalidRequestError, match="context window"):
+        llm.generate({"prompt_token_ids": [5] * seq_len}, SamplingParams(max_tokens=4))
+    out = llm.generate({"prompt_token_ids": [5] * (seq_len - 4)},
+                       SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))[0].outputs[0]
+    assert out.finish_cause.value == "context_full" and len(out.token_ids) == 4
+    long = LLM(root, model_overrides={"max_position_embeddings": 2 * seq_len}, **KV)
+    out = long.generate({"prompt_token_ids": [5] * (seq_len - 4)},
+                        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 40 and out.finish_reason == "length"

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,6 +25,7 @@ class LoadedModel:
     path: Path
     format: str  # "gguf" | "hf" | "nanochat"
     load_seconds: float
+    info: dict = field(default_factory=dict)  # loader notes (nanochat: era, step, tag, ...)
 
 
 def default_model_path() -> Path:
@@ -73,7 +74,9 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
 
 
 def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> LoadedModel:
+               device: str | torch.device = "cpu", overrides: dict | None = None) -> LoadedModel:
+    """overrides: for nanochat checkpoints, step / tag / source and the era constants
+    (rope_theta, qk_scale, softcap, max_position_embeddings); other formats take none."""
     from ..models.llama import LlamaForCausalLM
 
     t0 = time.perf_counter()
@@ -81,6 +84,8 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float3
     if not path.exists():
         raise ModelLoadError(f"{path}: no such file or directory")
     fmt = detect_format(path)
+    if overrides and fmt != "nanochat":
+        raise ModelLoadError(f"model overrides {sorted(overrides)} apply to nanochat checkpoints only")
     if fmt == "gguf":
         from .gguf import load_gguf
         config, state, meta = load_gguf(path, dtype=dtype)
@@ -93,9 +98,14 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float3
         tokenizer = Tokenizer.from_hf_folder(path)
     else:  # nanochat: its own module and tokenizer
         from .nanochat import build_model, load_nanochat
-        config, state, nanochat_tokenizer, _ = load_nanochat(path, dtype=dtype)
+        o = dict(overrides or {})
+        config, state, nanochat_tokenizer, info = load_nanochat(
+            path, dtype=dtype, step=o.pop("step", None), tag=o.pop("tag", None), source=o.pop("source", None),
+            overrides=o or None)
         model = build_model(config, state, device)
-        return LoadedModel(model, nanochat_tokenizer, config, path, fmt, time.perf_counter() - t0)
+        loaded = LoadedModel(model, nanochat_tokenizer, config, path, fmt, time.perf_counter() - t0)
+        loaded.info = info
+        return loaded
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     try:
