@@ -17,7 +17,7 @@ import torch
 
 from ..errors import NanoinferError
 from ..loaders import LoadedModel
-from .peaks import Peaks, cpu_model, peaks_dict, resolve_peaks
+from .peaks import Peaks, cpu_model, device_name, peaks_dict, resolve_peaks
 from .roofline import Roofline
 
 
@@ -69,17 +69,18 @@ def setup(args: argparse.Namespace, need_peaks: bool = True) -> BenchEnv:
     dtype = args.dtype or default_dtype(device)
     if dtype not in DTYPES:
         raise NanoinferError(f"--dtype {dtype!r} must be one of {', '.join(DTYPES)}")
-    for flag in ("peak_flops", "peak_bandwidth"):
-        value = getattr(args, flag)
+    peak_flops, peak_bandwidth = getattr(args, "peak_flops", None), getattr(args, "peak_bandwidth", None)
+    for flag, value in (("peak_flops", peak_flops), ("peak_bandwidth", peak_bandwidth)):
         if value is not None and not value > 0:
             raise NanoinferError(f"--{flag.replace('_', '-')} must be > 0")
     progress(f"loading {args.model or 'the default model'} ({dtype} on {device}) ...")
     loaded = load_model(args.model, dtype=DTYPES[dtype], device=device)
     progress_done()
     if need_peaks:
-        peaks = resolve_peaks(device, DTYPES[dtype], args.peak_flops, args.peak_bandwidth, args.remeasure_peaks)
+        peaks = resolve_peaks(device, DTYPES[dtype], peak_flops, peak_bandwidth,
+                              getattr(args, "remeasure_peaks", False))
     else:
-        peaks = Peaks(args.peak_flops or 0.0, args.peak_bandwidth or 0.0, "unused", "")
+        peaks = Peaks(0.0, 0.0, "unused", device_name(device))
     return BenchEnv(args, device, dtype, loaded, peaks, Roofline.for_model(loaded.model, loaded.config))
 
 
@@ -195,7 +196,7 @@ def machine(device: torch.device) -> dict:
 
 def run_meta(env: BenchEnv, bench: str, with_transformers: bool = False) -> dict:
     lm = env.loaded
-    return {
+    meta = {
         "bench": bench,
         "model": str(lm.path),
         "model_format": lm.format,
@@ -206,8 +207,10 @@ def run_meta(env: BenchEnv, bench: str, with_transformers: bool = False) -> dict
         "threads": torch.get_num_threads(),
         "versions": versions(with_transformers),
         "machine": machine(env.device),
-        "peaks": peaks_dict(env.peaks),
     }
+    if env.peaks.source != "unused":
+        meta["peaks"] = peaks_dict(env.peaks)
+    return meta
 
 
 def _finite(x):

@@ -37,7 +37,9 @@ def parse_batch_sizes(text: str) -> list[int]:
 
 def print_card(env: BenchEnv, card: dict) -> None:
     p, w = env.peaks, card["weight_bytes_detail"]
-    tied = "tied: the table is the LM head" if w["tied"] else f"untied: {fmt_bytes(w['embedding'])} table, one row read per sequence"
+    lookups = (f"{fmt_bytes(w['embedding'])} of lookup tables, {fmt_bytes(w['lookup_bytes_per_token'])} read per token"
+               if w["embedding"] else "")
+    tied = "; ".join(x for x in ("token table tied: read whole as the LM head" if w["tied"] else "", lookups) if x)
     cb = card["compute_bound_batch"]
     print(f"model      {env.loaded.path.name} ({env.loaded.format}, {env.loaded.config.architecture}), "
           f"{env.dtype} on {env.device}, {torch.get_num_threads()} threads")

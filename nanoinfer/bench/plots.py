@@ -36,7 +36,7 @@ def plot_roofline(path: str, peak_flops: float, peak_bandwidth: float, results: 
     ax.set_ylabel("FLOP/s")
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -28,10 +28,11 @@ from ..config import ModelConfig
 # --- weights -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class WeightBytes:
-    embedding: int  # the token embedding table when untied (0 when tied: it is counted as lm_head)
-    embedding_row: int  # one row of the table: what a lookup reads
+    embedding: int  # lookup tables: the token embedding when untied (a tied one counts as lm_head),
+    #                 and nanochat's value embeddings, which are lookups too
+    embedding_row: int  # what one token's lookups read: a row of each untied table
     lm_head: int
-    body: int  # everything else: the layers' matmuls, norms, biases, the final norm
+    body: int  # everything else: the layers' matmuls, norms, biases, gates, the final norm
 
     @property
     def total(self) -> int:
@@ -48,21 +49,20 @@ def served_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _is_embedding(name: str) -> bool:
+def _is_token_table(name: str) -> bool:
     return "embed_tokens" in name or name.split(".")[-2:-1] == ["wte"]
 
 
 def weight_bytes(tensors: Iterable[tuple[str, torch.Tensor]], tied: bool) -> WeightBytes:
-    """Classify bytes by tensor name (Hugging Face names, which every loader keeps)."""
+    """Classify bytes by tensor name (Hugging Face / nanochat names, which the loaders keep)."""
     embedding = lm_head = body = row = 0
     for name, t in tensors:
         n = t.numel() * t.element_size()
-        if _is_embedding(name):
-            row = n // t.shape[0]
-            if tied:
-                lm_head += n
-            else:
-                embedding += n
+        if _is_token_table(name) and tied:
+            lm_head += n  # read whole every step as the LM head; the lookups come free
+        elif _is_token_table(name) or name.startswith("value_embeds."):
+            embedding += n
+            row += n // t.shape[0]
         elif name.startswith("lm_head"):
             lm_head += n
         else:
@@ -81,15 +81,19 @@ def layer_windows(config: ModelConfig) -> list[int | None]:
 
 
 def matmul_params(config: ModelConfig) -> int:
-    """Weights that take part in a matmul for every token: q, k, v, o, the gated MLP's three
-    matrices per layer, and the LM head (tied or not, its matmul happens)."""
+    """Weights that take part in a matmul for every token: q, k, v, o and the MLP per layer,
+    and the LM head (tied or not, its matmul happens). The MLP has three matrices in the
+    Llama family (gated SiLU) and two in nanochat (relu squared). nanochat's tiny gates
+    (value-embedding and smear, 12-24 inputs) are left out: well under 0.1%."""
     h, q, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    per_layer = h * q + 2 * h * kv + q * h + 3 * h * config.intermediate_size
+    mlp_matrices = 2 if config.architecture == "nanochat" else 3
+    per_layer = h * q + 2 * h * kv + q * h + mlp_matrices * h * config.intermediate_size
     return config.num_layers * per_layer + lm_head_params(config)
 
 
 def lm_head_params(config: ModelConfig) -> int:
-    return config.hidden_size * config.vocab_size
+    # nanochat pads the vocab to a multiple of 64 and computes logits over all of it
+    return config.hidden_size * int(config.extra.get("padded_vocab", config.vocab_size))
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
@@ -160,9 +164,8 @@ class Roofline:
         return self.weights.body + self.weights.lm_head
 
     def per_seq_step_bytes(self, context: int) -> int:
-        """Read per sequence in a decode step: its embedding row (untied) and its KV."""
-        row = 0 if self.config.tie_word_embeddings else self.weights.embedding_row
-        return row + kv_bytes_read(self.config, context, self.kv_dtype_bytes)
+        """Read per sequence in a decode step: its lookup rows and its KV."""
+        return self.weights.embedding_row + kv_bytes_read(self.config, context, self.kv_dtype_bytes)
 
     def decode_step_bytes(self, batch: int, context: int) -> int:
         return self.fixed_step_bytes() + batch * self.per_seq_step_bytes(context)
@@ -171,9 +174,8 @@ class Roofline:
         return batch * decode_flops_per_token(self.config, context)
 
     def prefill_bytes(self, batch: int, num_tokens: int) -> int:
-        """Weights once, each prompt token's embedding row (untied), and the KV it writes."""
-        row = 0 if self.config.tie_word_embeddings else self.weights.embedding_row
-        return self.fixed_step_bytes() + batch * num_tokens * (row + self.kv_bytes_per_token)
+        """Weights once, each prompt token's lookup rows, and the KV it writes."""
+        return self.fixed_step_bytes() + batch * num_tokens * (self.weights.embedding_row + self.kv_bytes_per_token)
 
     def prefill_flops(self, batch: int, num_tokens: int) -> int:
         return batch * prefill_flops(self.config, num_tokens)
@@ -197,7 +199,7 @@ class Roofline:
             "weight_bytes": self.weights.total,
             "weight_bytes_detail": {"body": self.weights.body, "lm_head": self.weights.lm_head,
                                     "embedding": self.weights.embedding,
-                                    "embedding_row": self.weights.embedding_row,
+                                    "lookup_bytes_per_token": self.weights.embedding_row,
                                     "tied": self.config.tie_word_embeddings},
             "matmul_params": matmul_params(self.config),
             "kv_bytes_per_token": self.kv_bytes_per_token,

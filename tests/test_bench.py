@@ -1,0 +1,276 @@
+"""The benchmark suite: accounting against hand arithmetic, the peak table and probe
+cache, and each bench command end to end on a tiny model (figures are not asserted:
+they depend on the machine)."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from nanoinfer.bench import peaks as peaks_mod
+from nanoinfer.bench import roofline as rl
+from nanoinfer.bench.cli import add_bench_parser, main
+from nanoinfer.config import ModelConfig
+from nanoinfer.models.llama import LlamaForCausalLM
+
+
+def tiny_config(**kw) -> ModelConfig:
+    base = dict(architecture="llama", vocab_size=100, hidden_size=16, intermediate_size=32, num_layers=2,
+                num_heads=4, num_kv_heads=2, head_dim=4)
+    return ModelConfig(**{**base, **kw})
+
+
+def roofline_for(config: ModelConfig, dtype=torch.float32) -> rl.Roofline:
+    with torch.device("meta"):  # shapes and dtypes only: nothing is allocated
+        model = LlamaForCausalLM(config).to(dtype)
+    return rl.Roofline.for_model(model, config)
+
+
+# --- accounting ------------------------------------------------------------------------
+def test_matmul_params_and_weight_bytes_untied():
+    c = tiny_config()
+    # per layer: q 16*16 + k 16*8 + v 16*8 + o 16*16 + MLP 3*16*32 = 256+128+128+256+1536 = 2304
+    # two layers 4608, LM head 16*100 = 1600
+    assert rl.matmul_params(c) == 4608 + 1600 == 6208
+    w = roofline_for(c).weights
+    # body: the layer matmuls plus 5 norms of 16 (two per layer, one final), fp32
+    assert w.body == (4608 + 5 * 16) * 4 == 18752
+    assert w.lm_head == 1600 * 4 == 6400
+    assert w.embedding == 100 * 16 * 4 == 6400
+    assert w.embedding_row == 16 * 4 == 64
+    assert w.total == 18752 + 6400 + 6400 == 31552
+
+
+def test_weight_bytes_tied_counts_the_table_once_as_lm_head():
+    w = roofline_for(tiny_config(tie_word_embeddings=True)).weights
+    assert (w.embedding, w.embedding_row, w.lm_head, w.body) == (0, 0, 6400, 18752)
+    assert w.total == 25152
+
+
+def test_nanochat_accounting():
+    from nanoinfer.models.nanochat import NanochatGPT
+
+    c = tiny_config(architecture="nanochat", layer_windows=[4, None],
+                    extra={"padded_vocab": 128, "ve_layers": [1], "ve_gate_channels": 12, "ve_gate_scale": 3.0})
+    # per layer: q 256 + k 128 + v 128 + o 256 + a relu^2 MLP of two matrices 2*16*32 = 1792;
+    # the LM head over the padded vocab: 16*128
+    assert rl.matmul_params(c) == 2 * 1792 + 16 * 128 == 5632
+    with torch.device("meta"):
+        model = NanochatGPT(c)
+    w = rl.model_weight_bytes(model, c)
+    # lookups: wte 128x16 and layer 1's value embedding 128x8 (kv heads 2 x head_dim 4); a token reads a row of each
+    assert w.embedding == (128 * 16 + 128 * 8) * 4
+    assert w.embedding_row == (16 + 8) * 4
+    assert w.lm_head == 128 * 16 * 4
+    # body: 2 x 768 attention + 2 x 1024 MLP, the 12->2 VE gate, two fp32 lambdas per layer
+    assert w.body == (2 * 768 + 2 * 1024 + 12 * 2 + 2 * 2) * 4
+    # the short window caps layer 0's keys: 4 + 10 keys of 64 bytes
+    assert rl.kv_bytes_read(c, 10, 4) == 64 * (4 + 10)
+
+
+def test_weight_bytes_follow_the_served_dtype():
+    w = roofline_for(tiny_config(), torch.bfloat16).weights
+    assert w.total == 31552 // 2
+    assert roofline_for(tiny_config(), torch.bfloat16).kv_bytes_per_token == 64
+
+
+def test_kv_bytes_per_token_and_read_with_and_without_window():
+    c = tiny_config()
+    # layers 2 x (K and V) 2 x kv heads 2 x head_dim 4 x 4 bytes
+    assert rl.kv_bytes_per_token(c, 4) == 2 * 2 * 2 * 4 * 4 == 128
+    per_key = 2 * 2 * 4 * 4  # one layer, one key: K and V, fp32 = 64 bytes
+    assert rl.kv_bytes_read(c, 10, 4) == 2 * per_key * 10 == 1280
+    assert rl.kv_bytes_read(tiny_config(sliding_window=4), 10, 4) == 2 * per_key * 4 == 512
+    assert rl.kv_bytes_read(tiny_config(sliding_window=4), 3, 4) == 2 * per_key * 3  # window not yet full
+    # per-layer windows (nanochat's short/long pattern): 4 keys in layer 0, all 10 in layer 1
+    assert rl.kv_bytes_read(tiny_config(layer_windows=[4, None]), 10, 4) == per_key * 4 + per_key * 10 == 896
+
+
+def test_decode_flops_per_token():
+    # 2 x matmul params + layers x 4 x heads x head_dim x keys seen
+    assert rl.decode_flops_per_token(tiny_config(), 10) == 2 * 6208 + 2 * (4 * 4 * 4) * 10 == 13696
+    assert rl.decode_flops_per_token(tiny_config(sliding_window=4), 10) == 12416 + 2 * 64 * 4 == 12928
+
+
+def test_prefill_flops_causal_sum():
+    # 5 tokens: layer matmuls for every token, LM head for the last only, query i sees i keys
+    body = 2 * 4608 * 5
+    head = 2 * 1600
+    assert rl.prefill_flops(tiny_config(), 5) == body + head + 2 * 64 * (1 + 2 + 3 + 4 + 5) == 51200
+    # window 3: the queries see 1, 2, 3, 3, 3 keys
+    assert rl.prefill_flops(tiny_config(sliding_window=3), 5) == body + head + 2 * 64 * 12 == 50816
+    # after 2 cached tokens, the 3 new queries see 3, 4, 5 keys
+    assert rl.prefill_flops(tiny_config(), 3, past=2) == 2 * 4608 * 3 + head + 2 * 64 * 12
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 7, 50])
+def test_sum_keys_matches_brute_force(window):
+    for first in range(1, 12):
+        for last in range(first - 1, 20):
+            want = sum(c if window is None else min(c, window) for c in range(first, last + 1))
+            assert rl._sum_keys(first, last, window) == want
+
+
+def test_decode_step_bytes_tied_and_untied():
+    untied, tied = roofline_for(tiny_config()), roofline_for(tiny_config(tie_word_embeddings=True))
+    # untied: body + LM head once, then per sequence one embedding row and its KV
+    assert untied.decode_step_bytes(3, 10) == 18752 + 6400 + 3 * (64 + 1280) == 29184
+    # tied: the table is read whole as the LM head, so no extra rows
+    assert tied.decode_step_bytes(3, 10) == 18752 + 6400 + 3 * 1280 == 28992
+    assert untied.decode_step_flops(3, 10) == 3 * 13696
+    assert untied.prefill_bytes(2, 5) == 25152 + 2 * 5 * (64 + 128)
+
+
+def test_ceiling_and_compute_bound_batch():
+    r = roofline_for(tiny_config())
+    assert r.batch1_ceiling(1e5, 10) == pytest.approx(1e5 / (25152 + 1344))
+    # B * 13696 / 1e6 = (25152 + B * 1344) / 1e5  =>  B = 0.25152 / (0.013696 - 0.01344)
+    b = r.compute_bound_batch(1e6, 1e5, 10)
+    assert b == pytest.approx(0.25152 / 0.000256)
+    assert b * 13696 / 1e6 == pytest.approx((25152 + b * 1344) / 1e5)
+    # compute so fast that per-sequence KV traffic always dominates: never compute-bound
+    assert r.compute_bound_batch(1e12, 1e5, 10) is None
+
+
+# --- peaks -------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,label", [
+    ("NVIDIA H100 PCIe", "H100 PCIe"), ("NVIDIA H100 80GB HBM3", "H100 SXM"), ("NVIDIA H200", "H200"),
+    ("NVIDIA A100-SXM4-80GB", "A100"), ("NVIDIA L40S", "L40S"), ("NVIDIA L4", "L4"),
+    ("NVIDIA GeForce RTX 4090", "RTX 4090"), ("NVIDIA GeForce RTX 3090", "RTX 3090"), ("NVIDIA B200", "B200"),
+    ("AMD Instinct MI300X", "MI300X"),
+])
+def test_gpu_table_matches_names(name, label):
+    assert peaks_mod.table_peaks(name, torch.bfloat16)[2] == label
+
+
+def test_gpu_table_values_by_dtype():
+    assert peaks_mod.table_peaks("NVIDIA H100 80GB HBM3", torch.bfloat16)[:2] == (989e12, 3.35e12)
+    assert peaks_mod.table_peaks("NVIDIA H100 80GB HBM3", torch.float32)[:2] == (67e12, 3.35e12)
+    assert peaks_mod.table_peaks("Some Unknown GPU", torch.bfloat16) is None
+
+
+def test_probe_runs_and_is_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOINFER_CACHE_DIR", str(tmp_path))
+    cpu = torch.device("cpu")
+    # the real probes, shrunk so the test stays fast
+    assert peaks_mod.measure_bandwidth(cpu, nbytes=1 << 20, budget_s=0.01) > 0
+    assert peaks_mod.measure_flops(cpu, torch.float32, n=64, budget_s=0.01) > 0
+    calls = []
+    monkeypatch.setattr(peaks_mod, "measure_bandwidth", lambda d: calls.append("bw") or 2e10)
+    monkeypatch.setattr(peaks_mod, "measure_flops", lambda d, dt: calls.append("flops") or 3e11)
+
+    first = peaks_mod.resolve_peaks(cpu, torch.float32)
+    assert (first.flops, first.bandwidth, first.source) == (3e11, 2e10, "measured")
+    data = json.loads((tmp_path / "peaks.json").read_text())
+    assert list(data) == [peaks_mod.cache_key(cpu, torch.float32)]
+    assert f"threads={torch.get_num_threads()}" in next(iter(data))
+    again = peaks_mod.resolve_peaks(cpu, torch.float32)
+    assert (again.flops, again.bandwidth, again.source) == (3e11, 2e10, "cached")
+    assert calls == ["bw", "flops"]  # probed once
+    peaks_mod.resolve_peaks(cpu, torch.bfloat16)  # another dtype is another entry
+    assert len(json.loads((tmp_path / "peaks.json").read_text())) == 2
+    peaks_mod.resolve_peaks(cpu, torch.float32, remeasure=True)
+    assert len(calls) == 6
+    mixed = peaks_mod.resolve_peaks(cpu, torch.float32, peak_flops=1e9)
+    assert (mixed.flops, mixed.bandwidth, mixed.source) == (1e9, 2e10, "override / cached")
+    both = peaks_mod.resolve_peaks(cpu, torch.float32, peak_flops=1e9, peak_bandwidth=1e8)
+    assert both.source == "override" and len(calls) == 6
+
+
+# --- the commands end to end ----------------------------------------------------------
+PEAKS = ["--peak-flops", "1e11", "--peak-bandwidth", "1e10"]
+
+
+def run_bench(capsys, argv: list[str]) -> tuple[dict, str]:
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    return json.loads(out.strip().splitlines()[-1]), out
+
+
+def assert_png(path) -> None:
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def assert_meta(doc: dict, bench: str) -> None:
+    for key in ("model", "device", "dtype", "threads", "versions", "machine"):
+        assert key in doc
+    assert doc["bench"] == bench and doc["device"] == "cpu" and doc["dtype"] == "float32"
+    assert {"torch", "nanoinfer"} <= set(doc["versions"]) and "cpu" in doc["machine"]
+
+
+def test_bench_latency(make_hf_model, tmp_path, capsys):
+    _, path = make_hf_model("llama")
+    png = tmp_path / "roofline.png"
+    doc, out = run_bench(capsys, ["latency", "--model", str(path), "--prompt-len", "8", "--decode-len", "4",
+                                  "--batch-sizes", "1,3", "--plot", str(png), *PEAKS])
+    assert_meta(doc, "latency")
+    assert doc["peaks"]["source"] == "override"
+    for key in ("weight_bytes", "kv_bytes_per_token", "kv_bytes_read_per_seq", "decode_flops_per_token",
+                "batch1_ceiling_tok_s", "compute_bound_batch"):
+        assert key in doc["card"]
+    assert [r["batch_size"] for r in doc["results"]] == [1, 3]
+    for r in doc["results"]:
+        for key in ("ttft_s", "prefill_tok_s", "prefill_mfu", "tpot_s", "decode_tok_s", "mbu", "mfu",
+                    "peak_memory_bytes"):
+            assert r[key] > 0
+        assert r["decode_steps"] == 3 and r["generated_tokens"] == 4 * r["batch_size"]
+    assert "TPOT ms" in out and "ceiling" in out
+    assert_png(png)
+
+
+def test_bench_throughput_against_transformers(make_hf_model, tmp_path, capsys):
+    _, path = make_hf_model("llama")
+    png = tmp_path / "throughput.png"
+    doc, out = run_bench(capsys, ["throughput", "--model", str(path), "-n", "5", "--min-input-len", "3",
+                                  "--max-input-len", "12", "--min-output-len", "2", "--max-output-len", "6",
+                                  "--compare", "transformers", "--hf-batch-size", "2", "--plot", str(png)])
+    assert_meta(doc, "throughput")
+    assert "transformers" in doc["versions"]
+    ni, hf = doc["results"]["nanoinfer"], doc["results"]["transformers"]
+    for r in (ni, hf):
+        for key in ("output_tok_s", "total_tok_s", "requests_per_s", "wall_s"):
+            assert r[key] > 0
+        assert r["requests"] == 5
+    assert ni["output_tokens"] == hf["output_tokens"]  # the same requests, useful tokens only
+    assert hf["batches"] == 3 and hf["generated_tokens_incl_waste"] >= hf["output_tokens"]
+    assert doc["ratio_output_tok_s"] == pytest.approx(ni["output_tok_s"] / hf["output_tok_s"])
+    assert "nanoinfer / transformers" in out
+    assert_png(png)
+
+
+def test_bench_loop(make_hf_model, tmp_path, capsys):
+    _, path = make_hf_model("llama")
+    png = tmp_path / "loop.png"
+    doc, out = run_bench(capsys, ["loop", "--model", str(path), "--prompt-len", "6", "--output-len", "10",
+                                  "--rows", "4", "--plot", str(png)])
+    assert_meta(doc, "loop")
+    assert doc["uncached"]["forwards"] == 10 and doc["cached"]["steps"] == 10
+    assert [c for c, _ in doc["uncached"]["per_forward"]] == list(range(6, 16))
+    assert [c for c, _ in doc["cached"]["per_step"]] == list(range(6, 16))
+    assert doc["ratio_total"] > 0 and 2 <= len(doc["table"]) <= 4
+    assert "uncached/cached" in out
+    assert_png(png)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["latency", "--batch-sizes", "1,x"], "--batch-sizes"),
+    (["latency", "--batch-sizes", "0"], ">= 1"),
+    (["latency", "--decode-len", "1"], "--decode-len"),
+    (["throughput", "--min-input-len", "9", "--max-input-len", "3"], "min <= max"),
+    (["loop", "--plot", "out.jpg"], ".png"),
+])
+def test_bad_arguments_are_one_line_errors(argv, message, capsys):
+    # checked before any model loads
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and message in err[-1]
+
+
+def test_add_bench_parser_hooks_into_a_cli():
+    p = argparse.ArgumentParser(prog="nanoinfer")
+    add_bench_parser(p.add_subparsers(dest="command", required=True))
+    for cmd in ("latency", "throughput", "loop"):
+        args = p.parse_args(["bench", cmd, "--model", "x.gguf"])
+        assert callable(args.func) and args.model == "x.gguf"
