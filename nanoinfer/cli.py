@@ -253,6 +253,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--parse-special", action="store_true", help="match special-token text like <|im_start|>")
     t.add_argument("--show", action="store_true", help="also print each token's text (stderr)")
     t.set_defaults(func=cmd_tokenize)
+
+    from .bench.cli import add_bench_parser
+    from .server.cli import add_serve_parser
+    add_serve_parser(sub)
+    add_bench_parser(sub)
     return p
 
 
