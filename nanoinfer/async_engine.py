@@ -13,7 +13,7 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from .engine import LLMEngine
@@ -48,6 +48,9 @@ class AsyncEngine:
         self._stop = threading.Event()
         self.metrics: dict = engine.metrics()  # a snapshot, replaced by the engine thread after each step
         self.error: BaseException | None = None
+        # Called on the engine thread with each request's final output, including requests whose
+        # client left (nobody reads their stream any more): servers count them in their metrics.
+        self.on_finished: Callable[[RequestOutput], None] | None = None
         self.thread = threading.Thread(target=self._run, name="nanoinfer-engine", daemon=True)
 
     def start(self) -> None:
@@ -70,14 +73,22 @@ class AsyncEngine:
                     continue
                 for d in deltas:
                     self._send(d.request_id, d)
-                    if d.finished and self.engine.output(d.request_id).finished:
-                        self._close(d.request_id)
+                # Close a request only after all of this step's deltas went out: the n samples
+                # of one request often finish in the same step, and closing at the first one
+                # would drop the others' last deltas and then look up a released request.
+                for rid in dict.fromkeys(d.request_id for d in deltas if d.finished):
+                    if rid in self.engine.requests and self.engine.output(rid).finished:
+                        self._close(rid)
             self.metrics = self.engine.metrics()
 
     def _apply(self, cmd) -> None:
         if cmd is None:
             return
         if isinstance(cmd, _Add):
+            if cmd.request_id in self.sinks:  # a duplicate id must not take over the running request's sink
+                cmd.loop.call_soon_threadsafe(cmd.sink.put_nowait, ValueError(
+                    f"request id {cmd.request_id!r} is already in use"))
+                return
             self.sinks[cmd.request_id] = (cmd.sink, cmd.loop)
             try:
                 self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.prompt)
@@ -100,6 +111,11 @@ class AsyncEngine:
 
     def _close(self, rid: str) -> None:
         out = self.engine.release(rid)
+        if self.on_finished is not None:
+            try:
+                self.on_finished(out)
+            except Exception:  # a metrics bug must not stop the engine
+                pass
         self._send(rid, out)
         self._send(rid, _FINISHED)
         self.sinks.pop(rid, None)

@@ -1,0 +1,6 @@
+"""`python -m nanoinfer.server --model PATH [--port 8000] ...`: the same as `nanoinfer serve`."""
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,217 @@
+"""The OpenAI-compatible request bodies, and the error body every failure is answered with.
+
+Requests are pydantic models in strict mode: a number where a string belongs (or "1" where a
+number belongs, or true where an integer belongs) is refused, not coerced. Fields this server
+does not know are ignored, as OpenAI's own SDK sends a few. Ranges (temperature, top_p, ...)
+are checked once, by SamplingParams, and its error names the field.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+
+class APIError(Exception):
+    """An error that becomes an HTTP response: {"error": {message, type, param, code}}."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.status, self.type = message, param, status, type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": None}}
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class SamplingFields(Strict):
+    """What completions and chat share; None means "the default" (OpenAI's SDK omits unset fields,
+    other clients send null)."""
+
+    model: str | None = None
+    n: int = 1
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: Any = None  # accepted and ignored
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ContentPart(Strict):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(Strict):
+    name: str
+    arguments: str | dict = "{}"
+
+
+class MessageToolCall(Strict):
+    model_config = ConfigDict(extra="allow", strict=True)
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(Strict):
+    # Extra keys (e.g. reasoning_content) go through to the chat template, as in transformers.
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(Strict):
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+
+
+class ToolDef(Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class ResponseFormat(Strict):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+
+
+class TokenizeRequest(Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # with `prompt`: BOS where the model adds one
+    add_generation_prompt: bool = True  # with `messages`
+    tools: list[ToolDef] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+# --- parsing ---------------------------------------------------------------------------
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "literal"}
+_FIELD = re.compile(r"^[a-z_][a-z0-9_]*$")
+
+
+def _param(loc: tuple) -> tuple[str | None, list[str]]:
+    """pydantic's error location as OpenAI's `param` ("messages[0].role"), and the union
+    member names pydantic put into it (they say which types were expected)."""
+    parts, tags = [], []
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        elif _FIELD.match(item) and item not in _TYPE_TAGS and not tags:
+            parts.append(("." if parts else "") + item)
+        else:  # a union member tag like 'list[int]' or 'ChatMessage': the path ends here
+            tags.append(item)
+            break
+    return "".join(parts) or None, tags
+
+
+def parse_request(model: type[Strict], body: bytes) -> Any:
+    """Body bytes -> a request model, or APIError(400) naming the first bad field."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError("the request body must be a JSON object")
+    try:
+        return model.model_validate(data, strict=True)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        param, tags = _param(errors[0]["loc"])
+        if tags:  # a union: say every shape that would have been accepted
+            expected = []
+            for err in errors:
+                p, t = _param(err["loc"])
+                if p == param and t and t[0] not in expected:
+                    expected.append(t[0])
+            raise APIError(f"{param}: wrong type (expected one of: {', '.join(expected)})", param) from None
+        what = errors[0]["msg"]
+        if errors[0]["type"] == "missing":
+            what = "this field is required"
+        elif errors[0]["type"] == "literal_error" and "ctx" in errors[0]:
+            what = f"must be one of {errors[0]['ctx'].get('expected')}"
+        raise APIError(f"{param or 'body'}: {what}", param) from None
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict]:
+    """Messages as the chat template wants them: text parts joined into one string, tool call
+    arguments as objects (templates `tojson` them; OpenAI sends them as JSON strings)."""
+    out = []
+    for i, m in enumerate(messages):
+        d = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list):
+            texts = []
+            for j, part in enumerate(m.content):
+                if part.type != "text" or part.text is None:
+                    raise APIError(f"content part type {part.type!r} is not supported (only 'text')",
+                                   f"messages[{i}].content[{j}].type")
+                texts.append(part.text)
+            d["content"] = "".join(texts)
+        if m.role == "developer":  # OpenAI's newer name for system; templates know only "system"
+            d["role"] = "system"
+        if m.tool_calls:
+            calls = []
+            for call in d["tool_calls"]:
+                args = call["function"].get("arguments")
+                if isinstance(args, str):
+                    try:
+                        call["function"]["arguments"] = json.loads(args) if args.strip() else {}
+                    except ValueError:
+                        pass  # not JSON: the template gets the string as it is
+                calls.append(call)
+            d["tool_calls"] = calls
+        out.append(d)
+    return out
+

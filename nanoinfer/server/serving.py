@@ -1,0 +1,414 @@
+"""/v1/completions and /v1/chat/completions: request -> prompts and SamplingParams -> the engine
+thread -> OpenAI's response or chunk stream.
+
+Nothing here runs model code: prompts are tokenized on the event loop (a thread for long ones)
+and the engine runs on its own thread behind AsyncEngine. Every way a request can end early
+(client gone, handler cancelled at shutdown) closes the engine's async iterator, which aborts
+the request and frees its KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from ..async_engine import AsyncEngine
+from ..errors import InvalidRequestError
+from ..sampling import SamplingParams
+from ..sequence import RequestOutput, StreamDelta
+from .outputs import CompletionLogprobs, TokenText, chat_logprobs, sse, usage
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, message_dicts
+from .tool_calls import ToolCallParser, parse_tool_calls
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default; chat's default is "until the context is full"
+LONG_TEXT = 20_000  # characters: tokenize in a thread past this, so the event loop stays responsive
+
+
+@dataclass
+class ServerConfig:
+    model_name: str
+    max_n: int = 16
+    max_tokens_limit: int | None = None  # None: only the context window limits max_tokens
+    max_request_bytes: int = 1 << 20
+    max_prompts: int = 64  # prompts in one /v1/completions request
+    shutdown_timeout: float = 5.0  # seconds in-flight requests get to finish on SIGINT/SIGTERM
+
+
+class ClientGone(Exception):
+    """The client closed the connection before a non-streaming response was ready."""
+
+
+@dataclass
+class Prompt:
+    text: str | None
+    ids: list[int]
+
+
+class Serving:
+    def __init__(self, engine: AsyncEngine, config: ServerConfig):
+        self.engine = engine
+        self.config = config
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.max_model_len
+        self.tt = TokenText(self.tokenizer)
+
+    # --- shared checks ----------------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.config.model_name:
+            raise APIError(f"the model {name!r} does not exist; this server serves {self.config.model_name!r}",
+                           "model", status=404)
+
+    def validate_prompt(self, ids: list[int], param: str) -> None:
+        try:
+            self.engine.engine.validate_prompt(ids)
+        except InvalidRequestError as e:
+            raise APIError(str(e), param) from None
+
+    def sampling_params(self, req: SamplingFields, *, max_tokens: int | None, max_tokens_param: str,
+                        logprobs: int | None, logprobs_param: str) -> SamplingParams:
+        cfg = self.config
+        if req.n > cfg.max_n:
+            raise APIError(f"n={req.n} is over this server's limit of {cfg.max_n}", "n")
+        limit = cfg.max_tokens_limit
+        if max_tokens is not None and limit is not None and max_tokens > limit:
+            raise APIError(f"{max_tokens_param}={max_tokens} is over this server's limit of {limit}",
+                           max_tokens_param)
+        if max_tokens is None and limit is not None:
+            max_tokens = limit
+        opt = lambda value, default: default if value is None else value  # noqa: E731
+        try:
+            return SamplingParams(
+                n=req.n, temperature=opt(req.temperature, 1.0), top_p=opt(req.top_p, 1.0), top_k=opt(req.top_k, 0),
+                min_p=opt(req.min_p, 0.0), presence_penalty=opt(req.presence_penalty, 0.0),
+                frequency_penalty=opt(req.frequency_penalty, 0.0),
+                repetition_penalty=opt(req.repetition_penalty, 1.0), seed=req.seed, max_tokens=max_tokens,
+                min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
+                ignore_eos=req.ignore_eos, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+            )
+        except InvalidRequestError as e:
+            # SamplingParams' messages start with the field's name: "top_p=2.0 must be in (0, 1]"
+            m = re.match(r"(\w+)=", str(e))
+            name = m.group(1) if m else None
+            param = {"max_tokens": max_tokens_param, "logprobs": logprobs_param}.get(name, name)
+            message = str(e) if name == param or param is None else f"{param}{str(e)[len(name):]}"
+            raise APIError(message, param) from None
+
+    async def encode(self, fn, *args, **kwargs) -> list[int]:
+        text_len = sum(len(a) for a in args if isinstance(a, str))
+        if text_len > LONG_TEXT:
+            return await asyncio.to_thread(fn, *args, **kwargs)
+        return fn(*args, **kwargs)
+
+    # --- the engine -------------------------------------------------------------------
+    async def run(self, prompts: list[Prompt], params: SamplingParams,
+                  request_id: str) -> AsyncIterator[tuple[int, StreamDelta | RequestOutput]]:
+        """All prompts' outputs as they come, tagged with the prompt's index. Closing this
+        iterator (or cancelling its consumer) aborts every request still running."""
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(i: int, prompt: Prompt) -> None:
+            try:
+                async with aclosing(self.engine.generate(prompt.ids, params, f"{request_id}-{i}",
+                                                         prompt.text)) as stream:
+                    async for item in stream:
+                        queue.put_nowait((i, item))
+                queue.put_nowait((i, done))
+            except InvalidRequestError as e:  # the engine refused the request
+                queue.put_nowait((i, APIError(str(e))))
+            except RuntimeError as e:  # the engine is shutting down
+                queue.put_nowait((i, APIError(str(e), status=503, type="server_error")))
+            except Exception as e:  # a bug: handed to the consumer, which raises it (500)
+                queue.put_nowait((i, e))
+
+        if not self.engine.thread.is_alive():
+            raise APIError("the engine is not running", status=503, type="server_error")
+        tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()  # a pump still waiting on the engine aborts its request
+
+    async def collect(self, request, prompts: list[Prompt], params: SamplingParams,
+                      request_id: str) -> list[RequestOutput]:
+        """Wait for the final outputs, or raise ClientGone as soon as the client disconnects
+        (its requests are then aborted, so no more tokens are computed for it)."""
+        finals: list[RequestOutput | None] = [None] * len(prompts)
+
+        async def gather() -> None:
+            async with aclosing(self.run(prompts, params, request_id)) as stream:
+                async for i, item in stream:
+                    if isinstance(item, RequestOutput):
+                        finals[i] = item
+
+        task = asyncio.create_task(gather())
+        watch = asyncio.create_task(wait_for_disconnect(request))
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                raise ClientGone()
+            task.result()
+        finally:
+            task.cancel()
+            watch.cancel()
+        return finals  # type: ignore[return-value]
+
+    # --- /v1/completions --------------------------------------------------------------
+    async def completions(self, req: CompletionRequest, request):
+        self.check_model(req.model)
+        prompts = await self.completion_prompts(req.prompt)
+        params = self.sampling_params(
+            req, max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens,
+            max_tokens_param="max_tokens", logprobs=req.logprobs, logprobs_param="logprobs")
+        if req.echo:
+            for p in prompts:
+                if p.text is None:
+                    p.text = self.tokenizer.decode(p.ids, skip_special_tokens=False)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if req.stream:
+            return self.stream_completions(req, prompts, params, rid, created)
+        finals = await self.collect(request, prompts, params, rid)
+        choices = []
+        for i, out in enumerate(finals):
+            for c in out.outputs:
+                text, lp = c.text, None
+                if params.logprobs is not None:
+                    builder = CompletionLogprobs(self.tt)
+                    parts = [builder.prompt(out.prompt_token_ids)] if req.echo else []
+                    lp = CompletionLogprobs.join(parts + [builder.add(c.token_ids, c.token_masks, c.logprobs)])
+                if req.echo:
+                    text = prompts[i].text + text
+                choices.append({"index": i * params.n + c.index, "text": text, "logprobs": lp,
+                                "finish_reason": c.finish_reason})
+        return {
+            "id": rid, "object": "text_completion", "created": created, "model": self.config.model_name,
+            "choices": choices, "usage": self._usage(finals),
+        }
+
+    async def completion_prompts(self, prompt) -> list[Prompt]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError("prompt must not be empty", "prompt")
+        if len(prompt) > self.config.max_prompts:
+            raise APIError(f"{len(prompt)} prompts is over this server's limit of {self.config.max_prompts}",
+                           "prompt")
+        out = []
+        for p in prompt:
+            if isinstance(p, str):
+                out.append(Prompt(p, await self.encode(self.tokenizer.encode, p)))
+            else:
+                out.append(Prompt(None, list(p)))
+            self.validate_prompt(out[-1].ids, "prompt")
+        return out
+
+    async def stream_completions(self, req: CompletionRequest, prompts: list[Prompt], params: SamplingParams,
+                                 rid: str, created: int) -> AsyncIterator[str]:
+        n = params.n
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        base = {"id": rid, "object": "text_completion", "created": created, "model": self.config.model_name}
+        builders: dict[int, CompletionLogprobs] = {}
+        started: set[int] = set()
+        finals: list[RequestOutput | None] = [None] * len(prompts)
+
+        def chunk(index: int, text: str, lp, finish_reason) -> str:
+            body = {**base, "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}]}
+            if include_usage:
+                body["usage"] = None
+            return sse(body)
+
+        try:
+            async with aclosing(self.run(prompts, params, rid)) as stream:
+                async for i, item in stream:
+                    if isinstance(item, RequestOutput):
+                        finals[i] = item
+                        continue
+                    index = i * n + item.index
+                    text, lp = item.text, None
+                    builder = builders.setdefault(index, CompletionLogprobs(self.tt))
+                    echo_lp = None
+                    if index not in started:
+                        started.add(index)
+                        if req.echo:
+                            text = prompts[i].text + text
+                            if params.logprobs is not None:
+                                echo_lp = builder.prompt(prompts[i].ids)
+                    if params.logprobs is not None and item.token_ids:
+                        lp = builder.add(item.token_ids, item.token_masks, item.logprobs)
+                        if echo_lp is not None:
+                            lp = CompletionLogprobs.join([echo_lp, lp])
+                    if text or lp or item.finished:
+                        yield chunk(index, text, lp, item.finish_reason if item.finished else None)
+            if include_usage:
+                yield sse({**base, "choices": [], "usage": self._usage(finals)})
+        except (APIError, InvalidRequestError, RuntimeError) as e:
+            yield sse(error_body(e))
+        yield sse("[DONE]")
+
+    # --- /v1/chat/completions ---------------------------------------------------------
+    async def chat(self, req: ChatCompletionRequest, request):
+        self.check_model(req.model)
+        if req.response_format is not None and req.response_format.type != "text":
+            raise APIError(f"response_format type {req.response_format.type!r} is not supported (only 'text')",
+                           "response_format")
+        if not req.messages:
+            raise APIError("messages must be a non-empty list", "messages")
+        messages = message_dicts(req.messages)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        choice = req.tool_choice
+        if choice is not None and choice != "none" and not tools:
+            raise APIError("tool_choice needs tools", "tool_choice")
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
+            if name not in {t["function"]["name"] for t in tools}:
+                raise APIError(f"tool_choice names a function that is not in tools: {name!r}", "tool_choice")
+        if choice == "none":
+            tools = None  # the model is not told about tools, so it writes a plain reply
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError("top_logprobs needs logprobs: true", "top_logprobs")
+        max_tokens, mt_param = req.max_completion_tokens, "max_completion_tokens"
+        if max_tokens is None:
+            max_tokens, mt_param = req.max_tokens, "max_tokens"
+        params = self.sampling_params(req, max_tokens=max_tokens, max_tokens_param=mt_param,
+                                      logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                                      logprobs_param="top_logprobs")
+        try:
+            ids = await self.encode(self.tokenizer.encode_chat, messages, tools=tools,
+                                    **(req.chat_template_kwargs or {}))
+        except InvalidRequestError as e:
+            raise APIError(str(e), "messages") from None
+        except TypeError as e:  # chat_template_kwargs tried to set messages/tools/add_generation_prompt
+            raise APIError(f"chat_template_kwargs: {e}", "chat_template_kwargs") from None
+        self.validate_prompt(ids, "messages")
+        prompts = [Prompt(None, ids)]
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        parse_tools = tools is not None
+        if req.stream:
+            return self.stream_chat(req, prompts, params, rid, created, parse_tools)
+        (out,) = await self.collect(request, prompts, params, rid)
+        choices = []
+        for c in out.outputs:
+            message: dict = {"role": "assistant", "content": c.text}
+            finish_reason = c.finish_reason
+            if parse_tools:
+                content, calls = parse_tool_calls(c.text)
+                if calls:
+                    message = {"role": "assistant", "content": content,
+                               "tool_calls": [call.to_openai() for call in calls]}
+                    finish_reason = "tool_calls"
+            lp = None
+            if params.logprobs is not None:
+                lp = {"content": chat_logprobs(self.tt, c.token_ids, c.token_masks, c.logprobs, params.logprobs)}
+            choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish_reason})
+        return {
+            "id": rid, "object": "chat.completion", "created": created, "model": self.config.model_name,
+            "choices": choices, "usage": self._usage([out]),
+        }
+
+    async def stream_chat(self, req: ChatCompletionRequest, prompts: list[Prompt], params: SamplingParams,
+                          rid: str, created: int, parse_tools: bool) -> AsyncIterator[str]:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.config.model_name}
+        want_lp = params.logprobs is not None
+        parsers = {i: ToolCallParser() for i in range(params.n)} if parse_tools else {}
+        pending_lp: dict[int, list] = {i: [] for i in range(params.n)}  # logprobs of held-back text
+        num_calls = {i: 0 for i in range(params.n)}
+        finished: set[int] = set()
+        out: RequestOutput | None = None
+
+        def chunk(index: int, delta: dict, finish_reason: str | None = None) -> str:
+            lp = None
+            if want_lp and pending_lp[index]:
+                lp = {"content": pending_lp[index]}
+                pending_lp[index] = []
+            body = {**base, "choices": [{"index": index, "delta": delta, "logprobs": lp,
+                                         "finish_reason": finish_reason}]}
+            if include_usage:
+                body["usage"] = None
+            return sse(body)
+
+        def events_to_chunks(index: int, events) -> list[str]:
+            chunks = []
+            for kind, value in events:
+                if kind == "content":
+                    chunks.append(chunk(index, {"content": value}))
+                else:
+                    call = value.to_openai(index=num_calls[index])
+                    num_calls[index] += 1
+                    chunks.append(chunk(index, {"tool_calls": [call]}))
+            return chunks
+
+        def finish(index: int, reason: str | None) -> list[str]:
+            finished.add(index)
+            chunks = events_to_chunks(index, parsers[index].finish()) if parse_tools else []
+            if num_calls[index] and reason in ("stop", "length"):
+                reason = "tool_calls"
+            return chunks + [chunk(index, {}, reason)]
+
+        try:
+            for i in range(params.n):
+                yield chunk(i, {"role": "assistant", "content": ""})
+            async with aclosing(self.run(prompts, params, rid)) as stream:
+                async for _, item in stream:
+                    if isinstance(item, RequestOutput):
+                        out = item
+                        for c in item.outputs:  # a sample that ended without a final delta
+                            if c.index not in finished:
+                                for s in finish(c.index, c.finish_reason):
+                                    yield s
+                        continue
+                    index = item.index
+                    if want_lp and item.token_ids:
+                        pending_lp[index] += chat_logprobs(self.tt, item.token_ids, item.token_masks,
+                                                           item.logprobs, params.logprobs)
+                    if parse_tools:
+                        chunks = events_to_chunks(index, parsers[index].feed(item.text))
+                    else:
+                        chunks = [chunk(index, {"content": item.text})] if item.text else []
+                    for s in chunks:
+                        yield s
+                    if item.finished:
+                        for s in finish(index, item.finish_reason):
+                            yield s
+            if include_usage and out is not None:
+                yield sse({**base, "choices": [], "usage": self._usage([out])})
+        except (APIError, InvalidRequestError, RuntimeError) as e:
+            yield sse(error_body(e))
+        yield sse("[DONE]")
+
+    # --- helpers ----------------------------------------------------------------------
+    @staticmethod
+    def _usage(finals: list[RequestOutput | None]) -> dict:
+        outs = [o for o in finals if o is not None]
+        return usage(sum(len(o.prompt_token_ids) for o in outs),
+                     sum(len(c.token_ids) for o in outs for c in o.outputs))
+
+
+async def wait_for_disconnect(request) -> None:
+    """Return when the client disconnects. The body has been read, so the next ASGI message
+    is http.disconnect; waiting for it costs nothing, unlike polling is_disconnected()."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def error_body(e: Exception) -> dict:
+    if isinstance(e, APIError):
+        return e.body()
+    if isinstance(e, InvalidRequestError):
+        return APIError(str(e)).body()
+    return APIError(str(e), status=503, type="server_error").body()
