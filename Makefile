@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test browser clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -18,11 +18,17 @@ $(STAMP): requirements.txt pyproject.toml
 
 setup: $(STAMP)
 
+# Debian's chromium for the web page's browser test (Playwright drives it; it downloads no browser).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+		else echo "chromium missing and not root: the browser test will be skipped"; fi; }
+
 run: setup
 	$(VENV)/bin/nanoinfer generate --chat --stats --max-tokens 96 --temperature 0 \
 		"Explain in three sentences what a KV cache does in a language model."
 
-test: setup
+test: setup browser
 	$(PY) -m pytest -q
 
 clean:
