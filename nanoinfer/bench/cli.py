@@ -38,6 +38,11 @@ def _loop(a: argparse.Namespace) -> int:
     return run(a)
 
 
+def _serve(a: argparse.Namespace) -> int:
+    from .serve import run
+    return run(a)
+
+
 def _add_commands(sub) -> None:
     lat = sub.add_parser("latency", help="TTFT, TPOT, tok/s, MBU and MFU per batch size, against the roofline",
                          description="Prefill B prompts in one step, then decode; per batch size.")
@@ -71,10 +76,39 @@ def _add_commands(sub) -> None:
     loop.add_argument("--rows", type=int, default=12, help="rows of the table: the prefill, then buckets of contexts (default 12)")
     loop.set_defaults(func=_loop)
 
+    # No model is loaded here (the server has it): none of _common's options apply.
+    srv = sub.add_parser("serve", help="load an OpenAI-compatible server: TTFT, TPOT, ITL, throughput, goodput",
+                         description="Streamed requests of random words against any OpenAI-compatible server "
+                                     "(nanoinfer, vLLM, llama.cpp), timed on the client; vLLM's figures.")
+    srv.add_argument("--url", required=True, help="the server's base URL, e.g. http://127.0.0.1:8000")
+    srv.add_argument("--model", "-m", default=None, help="model name to send (default: the first of GET /v1/models)")
+    srv.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
+                     help="/v1/completions or /v1/chat/completions (default completions)")
+    srv.add_argument("--num-requests", "-n", type=int, default=32, help="requests to send (default 32)")
+    srv.add_argument("--request-rate", type=float, default=None,
+                     help="Poisson arrivals per second; inf = all at once (default inf)")
+    srv.add_argument("--concurrency", type=int, default=None, help="at most this many in flight (default no limit)")
+    srv.add_argument("--input-len", type=int, default=128, help="prompt tokens (default 128)")
+    srv.add_argument("--output-len", type=int, default=64, help="max_tokens (default 64)")
+    srv.add_argument("--range-ratio", type=float, default=0.0,
+                     help="lengths uniform in [L*(1-r), L*(1+r)] (default 0: exactly L)")
+    srv.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: every reply runs to max_tokens")
+    srv.add_argument("--seed", type=int, default=0, help="seed of lengths, prompts and arrivals (default 0)")
+    srv.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
+                     help="SLOs of goodput, in ms: ttft:500 tpot:50 e2el:5000")
+    srv.add_argument("--timeout", type=float, default=600.0,
+                     help="seconds for the whole run, set-up included; what is unfinished then counts as failed "
+                          "(default 600)")
+    srv.add_argument("--request-timeout", type=float, default=None,
+                     help="seconds for one request (default: the run's --timeout)")
+    srv.add_argument("--warmup", type=int, default=1, help="untimed requests sent first (default 1)")
+    srv.add_argument("--plot", default=None, metavar="FILE.png", help="also draw TTFT/E2E CDFs and the ITL histogram")
+    srv.set_defaults(func=_serve)
+
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """Add `bench {latency,throughput,loop}` to a CLI's subparsers."""
-    bench = subparsers.add_parser("bench", help="benchmarks: latency, throughput, loop",
+    bench = subparsers.add_parser("bench", help="benchmarks: latency, throughput, loop, serve",
                                   description="Benchmarks. Tables on stdout, progress on stderr; the last stdout "
                                               "line is one JSON document with every figure.")
     _add_commands(bench.add_subparsers(dest="bench_command", required=True))
