@@ -35,12 +35,14 @@ def causal_mask(start: int, T: int, window: int | None) -> torch.Tensor:
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
-    """q: [T, H, D], k/v: [S, Hkv, D] -> [T, H, D]; grouped-query heads are shared, not copied."""
+    """q: [T, H, D], k/v: [S, Hkv, D] -> [T, H, D]; grouped-query heads are shared, not copied.
+    Inputs go in as 4-D [1, heads, len, D]: PyTorch's CPU flash kernel takes only 4-D and
+    falls back to the much slower math path for 3-D."""
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
         attn_mask=mask, is_causal=causal and mask is None, enable_gqa=q.shape[1] != k.shape[1],
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 @dataclass
