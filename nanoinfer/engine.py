@@ -139,6 +139,9 @@ class LLMEngine:
         self.blocks.pending_copies.clear()
         t0 = time.perf_counter()
         logits, samplers = self.runner.run(batch)
+        # Rows sample on the CPU with their own CPU generators: a seed gives the same tokens on
+        # any device. The copy also waits for the device, so `seconds` is the real step time.
+        logits = logits.cpu()
         seconds = time.perf_counter() - t0
         self.last_step = StepStats(len(batch), batch.total_tokens, seconds)
         self.total_steps += 1

@@ -22,9 +22,10 @@ def generate_uncached(model: nn.Module, prompt_ids: list[int], max_tokens: int,
     """Greedy decoding. Returns the generated ids and the logits each step sampled from."""
     ids = list(prompt_ids)
     out, all_logits = [], []
+    device = next(model.parameters()).device
     for _ in range(max_tokens):
         t0 = time.perf_counter()
-        logits = model(torch.tensor(ids), torch.arange(len(ids)))[-1]
+        logits = model(torch.tensor(ids, device=device), torch.arange(len(ids), device=device))[-1].cpu()
         if stats is not None:
             stats.append(ForwardStat(len(ids), len(ids), time.perf_counter() - t0))
         token = int(torch.argmax(logits))

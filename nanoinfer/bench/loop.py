@@ -28,14 +28,15 @@ from .common import (BenchEnv, emit_json, kv_pool_bytes, median, on_gpu, plot_pa
 BLOCK_SIZE = 16
 
 
-class _OnDevice:
-    """The reference loop builds its inputs on the CPU; this moves them to the model's
-    device and synchronises after the forward, so its per-forward clock is honest on CUDA."""
+class _OnDevice(torch.nn.Module):
+    """Synchronises after each forward of the reference loop, so its per-forward clock is
+    honest on CUDA, and reports progress."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, total: int):
+        super().__init__()
         self.model, self.device, self.total, self.calls = model, device, total, 0
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         out = self.model(ids.to(self.device), positions.to(self.device))
         sync(self.device)
         self.calls += 1
