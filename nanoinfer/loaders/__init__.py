@@ -106,14 +106,20 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float3
         loaded = LoadedModel(model, nanochat_tokenizer, config, path, fmt, time.perf_counter() - t0)
         loaded.info = info
         return loaded
+    model = build_module(LlamaForCausalLM, config, state, device, str(path))
+    return LoadedModel(model, tokenizer, config, path, fmt, time.perf_counter() - t0)
+
+
+def build_module(cls, config: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device,
+                 where: str) -> nn.Module:
+    """Build on the meta device and take the loaders' tensors as they are (already in the
+    serving dtype: no copy, no second cast), then make the fp32 rotary tables on `device`."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = cls(config)
     try:
         model.load_weights(state)
     except (ValueError, RuntimeError) as e:
-        raise ModelLoadError(f"{path}: {e}") from None
-    model.reset_rope()  # the meta-device buffers become real tensors ...
-    model.to(device=device, dtype=dtype).eval()
-    model.reset_rope()  # ... and fp32 again after the cast
-    return LoadedModel(model, tokenizer, config, path, fmt, time.perf_counter() - t0)
+        raise ModelLoadError(f"{where}: {' '.join(str(e).split())}") from None
+    model.reset_rope()  # the meta-device tables become real tensors
+    return model.to(device).eval()
 

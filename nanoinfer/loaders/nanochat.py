@@ -318,14 +318,6 @@ def load_nanochat(path: str | Path, dtype: torch.dtype = torch.float32, step: in
 
 
 def build_model(config: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device = "cpu"):
-    """The module, weights assigned without copies, rotary tables in fp32 on `device`."""
     from ..models.nanochat import NanochatGPT
-
-    with torch.device("meta"):
-        model = NanochatGPT(config)
-    try:
-        model.load_weights(state)
-    except (ValueError, RuntimeError) as e:
-        raise ModelLoadError(f"nanochat weights: {' '.join(str(e).split())}") from None
-    model.reset_rope()  # the meta-device tables become real tensors
-    return model.to(device).eval()
+    from . import build_module
+    return build_module(NanochatGPT, config, state, device, "nanochat weights")
