@@ -79,7 +79,10 @@ class LLM:
 
     # --- generation -------------------------------------------------------------
     def generate(self, prompts: Prompt | Seq[Prompt],
-                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run the prompts together (continuous batching) and return one output per prompt,
+        in order. use_tqdm: a progress bar of finished requests on stderr."""
         plist = self._as_list(prompts)
         params = self._params_list(sampling_params, len(plist))
         # Validate every prompt before any runs, so one bad prompt loses nothing.
@@ -87,13 +90,22 @@ class LLM:
         for _, ids in prepared:
             self.engine.validate_prompt(ids)
         rids = [self._submit({"prompt": t, "prompt_token_ids": ids}, p) for (t, ids), p in zip(prepared, params)]
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(rids), desc="requests", unit="req")
         try:
             while self.engine.has_unfinished():
                 self.engine.step()
+                if bar is not None:
+                    bar.update(sum(self.engine.output(r).finished for r in rids) - bar.n)
         except BaseException:
             for rid in rids:
                 self.engine.release(rid)
             raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [self.engine.release(rid) for rid in rids]
 
     def chat_ids(self, messages: list[dict], tools: list[dict] | None = None,
