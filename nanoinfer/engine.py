@@ -149,7 +149,8 @@ class LLMEngine:
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed += n
             seq.stats.forwards.append(ForwardStat(seq.num_computed, n, seconds))
-            self.blocks.seal_full_blocks(seq.block_table, seq.all_ids, seq.num_computed, seq.block_hashes)
+            if self.blocks.enable_prefix_caching and seq.num_computed // self.blocks.block_size > len(seq.block_hashes):
+                self.blocks.seal_full_blocks(seq.block_table, seq.all_ids, seq.num_computed, seq.block_hashes)
         deltas = []
         for row, i in enumerate(samplers):
             seq = batch.seqs[i]
