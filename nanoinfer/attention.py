@@ -64,6 +64,12 @@ class PrefillSlice:
     q_len: int
     ctx_len: int  # keys it attends over: cached + new
     table: torch.Tensor  # block ids
+    masks: dict = field(default_factory=dict)  # window -> causal mask, built once per step, not per layer
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        if window not in self.masks:
+            self.masks[window] = causal_mask(self.ctx_len - self.q_len, self.q_len, window)
+        return self.masks[window]
 
 
 @dataclass
@@ -112,7 +118,7 @@ class PagedAttention:
             if p.ctx_len == p.q_len and (window is None or window >= p.q_len):
                 out[rows] = sdpa(q[rows], keys, vals, None, causal=True)
             else:
-                out[rows] = sdpa(q[rows], keys, vals, causal_mask(p.ctx_len - p.q_len, p.q_len, window))
+                out[rows] = sdpa(q[rows], keys, vals, p.mask(window))
         if self.decode_rows is not None:
             B = self.decode_rows.shape[0]
             flat = self.decode_tables.view(-1)

@@ -25,6 +25,10 @@ class ModelConfig:
     layer_windows: list[int | None] | None = None  # per-layer windows (nanochat); overrides sliding_window
     extra: dict = field(default_factory=dict)
 
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K and V of one token in every layer."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
+
     def windows(self) -> list[int | None]:
         """The attention window of each layer (None = full causal)."""
         return list(self.layer_windows) if self.layer_windows is not None else [self.sliding_window] * self.num_layers

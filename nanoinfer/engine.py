@@ -54,7 +54,7 @@ class LLMEngine:
         self.model_config = mc = loaded.config
         param = next(self.model.parameters())
         self.dtype, self.device = param.dtype, param.device
-        bytes_per_block = 2 * mc.num_layers * config.block_size * mc.num_kv_heads * mc.head_dim * param.element_size()
+        bytes_per_block = config.block_size * mc.kv_bytes_per_token(param.element_size())
         num_blocks = max(1, config.kv_cache_memory // bytes_per_block)
         self.cache = PagedKVCache.allocate(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads,
                                            mc.head_dim, self.dtype, self.device)

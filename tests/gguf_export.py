@@ -26,22 +26,14 @@ import gguf
 import numpy as np
 import torch
 
+from nanoinfer.loaders import gguf as gguf_loader
+
 _ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
-_GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-_LAYER_NAMES = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
+# The loader's name tables, inverted (HF -> GGUF). Sharing them is safe: the tests also read
+# these exports back with transformers' own GGUF reader.
+_GLOBAL_NAMES = {hf: gguf_name for gguf_name, hf in gguf_loader._GLOBAL_NAMES.items()}
+_LAYER_NAMES = {hf: gguf_name for gguf_name, hf in gguf_loader._LAYER_NAMES.items()}
 
 
 def gguf_tensor_name(hf_name: str) -> str:

@@ -97,8 +97,7 @@ def lm_head_params(config: ModelConfig) -> int:
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
-    """K and V of one token in every layer."""
-    return config.num_layers * 2 * config.num_kv_heads * config.head_dim * dtype_bytes
+    return config.kv_bytes_per_token(dtype_bytes)
 
 
 def _keys_seen(context: int, window: int | None) -> int:

@@ -103,9 +103,7 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float3
             path, dtype=dtype, step=o.pop("step", None), tag=o.pop("tag", None), source=o.pop("source", None),
             overrides=o or None)
         model = build_model(config, state, device)
-        loaded = LoadedModel(model, nanochat_tokenizer, config, path, fmt, time.perf_counter() - t0)
-        loaded.info = info
-        return loaded
+        return LoadedModel(model, nanochat_tokenizer, config, path, fmt, time.perf_counter() - t0, info)
     model = build_module(LlamaForCausalLM, config, state, device, str(path))
     return LoadedModel(model, tokenizer, config, path, fmt, time.perf_counter() - t0)
 
