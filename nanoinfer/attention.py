@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 
+from . import cpu_attention
+
 if TYPE_CHECKING:
     from .kv_cache import PagedKVCache
 
@@ -78,8 +80,9 @@ class PagedAttention:
 
     New keys/values are scattered into their slots; then each prefill chunk attends over
     its gathered blocks with a causal mask offset by what was cached, and all one-token
-    queries (decodes) attend in one padded batched call. A fused kernel can replace
-    this class without the model noticing.
+    queries (decodes) attend in one padded batched call, or, on the CPU, in the compiled
+    kernel that reads the blocks in place (decode_kernel). A fused GPU kernel can take
+    the same place without the model noticing.
     """
 
     cache: "PagedKVCache"
@@ -89,6 +92,8 @@ class PagedAttention:
     decode_tables: torch.Tensor | None  # [B, max_blocks], padded with block 0
     decode_ctx: torch.Tensor | None  # [B, 1] keys each decode row sees (its position + 1)
     windows: list[int | None]  # per layer
+    decode_max_ctx: int = 0  # the largest decode_ctx
+    decode_kernel: bool = False  # decodes run the compiled CPU kernel (cpu_attention.py), reading blocks in place
     _decode_masks: dict = field(default_factory=dict)  # window -> [B, 1, 1, S], built once per step
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
@@ -106,6 +111,7 @@ class PagedAttention:
         nb, bs, H, D = kc.shape
         kc.view(nb * bs, H, D).index_copy_(0, self.slot_mapping, k)
         vc.view(nb * bs, H, D).index_copy_(0, self.slot_mapping, v)
+        q = q.contiguous()
         out = torch.empty_like(q)
         window = self.windows[layer]
         for p in self.prefills:
@@ -119,7 +125,10 @@ class PagedAttention:
                 out[rows] = sdpa(q[rows], keys, vals, None, causal=True)
             else:
                 out[rows] = sdpa(q[rows], keys, vals, p.mask(window))
-        if self.decode_rows is not None:
+        if self.decode_rows is not None and self.decode_kernel:
+            cpu_attention.paged_decode(q, out, self.decode_rows, kc, vc, self.decode_tables, self.decode_ctx,
+                                       self.decode_max_ctx, window)
+        elif self.decode_rows is not None:
             B = self.decode_rows.shape[0]
             flat = self.decode_tables.view(-1)
             keys = kc.index_select(0, flat).view(B, -1, H, D).transpose(1, 2)  # [B, Hkv, S, D]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import cpu_attention
 from .attention import PagedAttention, PrefillSlice
 from .config import ModelConfig
 from .kv_cache import PagedKVCache
@@ -17,6 +18,7 @@ class ModelRunner:
         self.cache = cache
         self.device = cache.k.device
         self.windows = config.windows()
+        self.decode_kernel = cpu_attention.supports(cache.k)
         # Models that mix in the previous token (nanochat's smear) get its id for every position.
         self.needs_prev_ids = getattr(model, "needs_prev_ids", False)
 
@@ -52,24 +54,24 @@ class ModelRunner:
             if start + n == seq.length:  # caught up with its tokens: it samples the next one
                 logits_rows.append(len(ids) - 1)
                 samplers.append(i)
-        decode = self._decode_metadata(batch, decode_seqs) if decode_rows else (None, None)
+        decode = self._decode_metadata(batch, decode_seqs) if decode_rows else (None, None, 0)
         attn = PagedAttention(
             self.cache, torch.tensor(slots, device=self.device), prefills,
-            torch.tensor(decode_rows, device=self.device) if decode_rows else None, *decode,
-            windows=self.windows,
+            torch.tensor(decode_rows, device=self.device) if decode_rows else None, *decode[:2],
+            windows=self.windows, decode_max_ctx=decode[2], decode_kernel=self.decode_kernel,
         )
         extra = {"prev_ids": torch.tensor(prev, device=self.device)} if self.needs_prev_ids else {}
         return (torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), attn,
                 logits_rows, samplers, extra)
 
     def _decode_metadata(self, batch: ScheduledBatch, which: list[int]):
-        """Block tables padded to one width, and each row's context length."""
+        """Block tables padded to one width, each row's context length, and the longest."""
         bs = self.cache.block_size
         ctx = [batch.seqs[i].num_computed + 1 for i in which]
         width = max(-(-c // bs) for c in ctx)
         tables = [(batch.seqs[i].block_table + [0] * width)[:width] for i in which]
         return (torch.tensor(tables, device=self.device),
-                torch.tensor(ctx, device=self.device).unsqueeze(1))
+                torch.tensor(ctx, device=self.device).unsqueeze(1), max(ctx))
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:

@@ -8,7 +8,6 @@ no table knows. `--peak-flops` / `--peak-bandwidth` override either figure.
 from __future__ import annotations
 
 import json
-import os
 import platform
 import re
 import time
@@ -16,6 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from ..user_cache import user_cache_dir
 
 # (pattern on the device name, label, bf16/fp16 dense FLOP/s, fp32 FLOP/s, bandwidth B/s).
 # The more specific names come first: "H100 PCIe" before "H100", "L40S" before "L4".
@@ -108,8 +109,7 @@ def measure_flops(device: torch.device, dtype: torch.dtype, n: int | None = None
 
 
 def cache_path() -> Path:
-    root = os.environ.get("NANOINFER_CACHE_DIR") or Path.home() / ".cache" / "nanoinfer"
-    return Path(root) / "peaks.json"
+    return user_cache_dir() / "peaks.json"
 
 
 def cache_key(device: torch.device, dtype: torch.dtype) -> str:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..cpu_linear import pack_linears
 from ..errors import ModelLoadError
 from ..tokenizer import Tokenizer
 
@@ -119,5 +120,7 @@ def build_module(cls, config: ModelConfig, state: dict[str, torch.Tensor], devic
     except (ValueError, RuntimeError) as e:
         raise ModelLoadError(f"{where}: {' '.join(str(e).split())}") from None
     model.reset_rope()  # the meta-device tables become real tensors
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    pack_linears(model)  # bf16 on CPU: oneDNN layouts, once
+    return model
 

@@ -1,0 +1,117 @@
+"""The compiled CPU decode-attention kernel (csrc/paged_attention.cpp), built once per
+machine with the system C++ compiler and called through ctypes.
+
+Why a kernel: the plain PyTorch path copies every decode row's blocks into one padded
+tensor per layer and then attends over the copy; on a CPU that copy moves as many bytes
+as the attention reads. The kernel reads the blocks in place, one sequence per thread.
+It needs no torch headers, so it builds in about a second.
+
+Used for fp32 and bf16 caches on the CPU. Without a compiler (or with
+NANOINFER_CPU_KERNELS=0) the PyTorch path runs; both are tested against each other.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .user_cache import user_cache_dir
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+# -ffast-math lets the dot products and sums vectorise; infinities stay (the softmax max starts at -inf).
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++17", "-shared", "-fPIC"]
+ENTRY_POINTS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+
+
+def enabled() -> bool:
+    return os.environ.get("NANOINFER_CPU_KERNELS", "1") != "0"
+
+
+def _cpu_id() -> str:
+    """The CPU's name and feature flags: -march=native code must not run on another CPU
+    that shares the cache directory."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))}))
+    except OSError:
+        import platform
+        return platform.processor() + platform.machine()
+
+
+def _compile(compiler: str, out: Path) -> str | None:
+    """Build to a temporary name and rename (another process may build the same file at
+    once). OpenMP when the compiler has it, else one thread. Returns an error or None."""
+    err = ""
+    for extra in (["-fopenmp"], []):
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        proc = subprocess.run([compiler, *FLAGS, *extra, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        if proc.returncode == 0:
+            os.replace(tmp, out)
+            return None
+        os.unlink(tmp)
+        err = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
+    return err
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built kernel, or None (with one line on stderr saying why) if it cannot be had."""
+    if not enabled():
+        return None
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if compiler is None:
+        print("nanoinfer: no C++ compiler found; CPU decode attention runs on the slower PyTorch path",
+              file=sys.stderr)
+        return None
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, compiler, version, _cpu_id()]).encode()).hexdigest()
+    path = user_cache_dir() / "kernels" / f"paged_attention-{key[:16]}.so"
+    try:
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            err = _compile(compiler, path)
+            if err:
+                print(f"nanoinfer: building the CPU attention kernel failed ({err}); using the PyTorch path",
+                      file=sys.stderr)
+                return None
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        print(f"nanoinfer: the CPU attention kernel is unavailable ({e}); using the PyTorch path", file=sys.stderr)
+        return None
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    for name in ENTRY_POINTS.values():
+        getattr(lib, name).argtypes = [p, p, p, p, p, i, p, p, i, i, i, i, i, i, i]
+        getattr(lib, name).restype = None
+    return lib
+
+
+def supports(cache: torch.Tensor) -> bool:
+    return cache.device.type == "cpu" and cache.dtype in ENTRY_POINTS and library() is not None
+
+
+def paged_decode(q: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, tables: torch.Tensor, ctx: torch.Tensor, max_ctx: int,
+                 window: int | None) -> None:
+    """out[rows[b]] = attention of q[rows[b]] over the first ctx[b] keys of sequence b's
+    blocks (the last `window` of them with a sliding window).
+
+    q, out: [T, H, D]; rows: [B] int64; k_cache, v_cache: one layer, [blocks, block_size,
+    Hkv, D]; tables: [B, width] int64; ctx: [B] (or [B, 1]) int64; max_ctx >= ctx.max()."""
+    for t in (q, out, rows, k_cache, v_cache, tables, ctx):
+        assert t.is_contiguous() and t.device.type == "cpu"
+    assert q.dtype == out.dtype == k_cache.dtype == v_cache.dtype and rows.dtype == tables.dtype == ctx.dtype == torch.int64
+    _, H, D = q.shape
+    _, bs, Hkv, _ = k_cache.shape
+    B, width = tables.shape
+    getattr(library(), ENTRY_POINTS[q.dtype])(
+        q.data_ptr(), rows.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), width,
+        ctx.data_ptr(), out.data_ptr(), B, H, Hkv, D, bs, window or 0, max_ctx)

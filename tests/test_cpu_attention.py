@@ -1,0 +1,107 @@
+"""The compiled CPU decode-attention kernel against the plain PyTorch path it replaces."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from nanoinfer import LLM, SamplingParams, cpu_attention
+from nanoinfer.attention import PagedAttention
+from nanoinfer.kv_cache import PagedKVCache
+
+if shutil.which("c++") is None and shutil.which("g++") is None:
+    pytest.skip("no C++ compiler: the kernel cannot be built here", allow_module_level=True)
+
+
+def test_kernel_builds():
+    """With a compiler on the machine the kernel must build and load (no silent fallback)."""
+    assert cpu_attention.library() is not None
+    assert cpu_attention.supports(torch.zeros(1, dtype=torch.float32))
+    assert cpu_attention.supports(torch.zeros(1, dtype=torch.bfloat16))
+    assert not cpu_attention.supports(torch.zeros(1, dtype=torch.float16))
+
+
+def random_batch(seed: int, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int,
+                 ctx: list[int], window: int | None, num_blocks: int = 64):
+    """A cache of random blocks, decode rows at the given context lengths (each with its
+    own shuffled blocks), and two extra rows in the flat batch that are not decodes."""
+    g = torch.Generator().manual_seed(seed)
+    cache = PagedKVCache.allocate(1, num_blocks, block_size, kv_heads, head_dim, dtype, torch.device("cpu"))
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    width = max(-(-c // block_size) for c in ctx)
+    order = torch.randperm(num_blocks, generator=g)
+    tables = torch.zeros(len(ctx), width, dtype=torch.long)
+    used = 0
+    for b, c in enumerate(ctx):
+        n = -(-c // block_size)
+        tables[b, :n] = order[used:used + n]
+        used += n
+    T = len(ctx) + 2
+    rows = torch.arange(1, len(ctx) + 1)  # row 0 and the last row belong to no decode
+    q = torch.randn(T, heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(T, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(T, kv_heads, head_dim, generator=g).to(dtype)
+    # each decode row's new key goes to its last position; the two others to a spare block's slots
+    spare = int(order[used])
+    slots = [spare * block_size] + [int(tables[b, (c - 1) // block_size]) * block_size + (c - 1) % block_size
+                                    for b, c in enumerate(ctx)] + [spare * block_size + 1]
+    ctx_t = torch.tensor(ctx).unsqueeze(1)
+
+    def attention(kernel: bool) -> PagedAttention:
+        return PagedAttention(cache, torch.tensor(slots), [], rows, tables, ctx_t, [window], decode_max_ctx=max(ctx),
+                              decode_kernel=kernel)
+    return attention, q, k, v, rows
+
+
+CASES = [  # heads, kv_heads, head_dim, block_size, context lengths, window
+    (9, 3, 64, 16, [1, 17, 250, 33, 16], None),  # SmolLM2-135M's shapes
+    (4, 4, 128, 16, [5, 40, 129], None),  # no grouping, the other specialised head size
+    (8, 2, 32, 4, [3, 64, 9, 1], None),  # a head size with no specialisation, small blocks
+    (6, 3, 64, 8, [1, 7, 30, 61], 5),  # sliding window, shorter and longer than the context
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_matches_pytorch_fp32(case):
+    heads, kv_heads, head_dim, block_size, ctx, window = case
+    attention, q, k, v, rows = random_batch(0, torch.float32, heads, kv_heads, head_dim, block_size, ctx, window)
+    ref = attention(False).attend(0, q, k, v)
+    got = attention(True).attend(0, q, k, v)
+    torch.testing.assert_close(got[rows], ref[rows], atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", CASES[:2] + CASES[3:])
+def test_kernel_matches_pytorch_bf16(case):
+    """bf16 in and out, fp32 inside (as SDPA's CPU kernel): within bf16 rounding."""
+    heads, kv_heads, head_dim, block_size, ctx, window = case
+    attention, q, k, v, rows = random_batch(1, torch.bfloat16, heads, kv_heads, head_dim, block_size, ctx, window)
+    ref = attention(False).attend(0, q, k, v).float()
+    got = attention(True).attend(0, q, k, v).float()
+    torch.testing.assert_close(got[rows], ref[rows], atol=2e-2, rtol=2e-2)
+    assert (got[rows] - ref[rows]).abs().mean() < 2e-3
+
+
+def test_kernel_leaves_other_rows_alone():
+    """Rows that are not decodes (prefill rows, handled elsewhere) are not written."""
+    attention, q, k, v, rows = random_batch(2, torch.float32, 9, 3, 64, 16, [20, 3], None)
+    out = torch.full_like(q, 7.0)
+    layer = attention(True)
+    cpu_attention.paged_decode(q, out, rows, layer.cache.k[0], layer.cache.v[0], layer.decode_tables,
+                               layer.decode_ctx, 20, None)
+    assert torch.all(out[0] == 7.0) and torch.all(out[-1] == 7.0)
+    assert not torch.any(out[rows] == 7.0)
+
+
+def test_engine_same_tokens_with_and_without_kernel(make_hf_model):
+    """The whole engine, greedy, batched, with chunked prefill: the kernel changes no token."""
+    _, path = make_hf_model("llama", tie=False)
+    prompts = [[(7 * i + j) % 300 for j in range(n)] for i, n in enumerate((5, 40, 77, 12))]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    llm = LLM(path, block_size=4, max_num_batched_tokens=32)
+    assert llm.engine.runner.decode_kernel
+    with_kernel = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    llm.engine.runner.decode_kernel = False
+    without = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert with_kernel == without
