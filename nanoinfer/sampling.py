@@ -98,15 +98,24 @@ class RowSampler:
             ids = torch.tensor([i for i in self.prompt_ids if i < self.vocab_size], dtype=torch.long)
             self.prompt_mask[ids] = True
 
-    def sample(self, logits: torch.Tensor) -> tuple[int, dict[int, Logprob] | None]:
-        """logits: [vocab] fp32 for this row. Returns the token and, if asked, its logprobs."""
+    @property
+    def takes_argmax(self) -> bool:
+        """Greedy with nothing that changes the logits first: the row's token is its argmax,
+        which the engine takes for all such rows in one reduction."""
+        return self.params.greedy and self.counts is None and not (
+            self.num_generated < self.params.min_tokens and self.banned_until_min_tokens)
+
+    def sample(self, logits: torch.Tensor, argmax: int | None = None) -> tuple[int, dict[int, Logprob] | None]:
+        """logits: [vocab] fp32 for this row; argmax: its argmax if already known (only
+        used when takes_argmax). Returns the token and, if asked, its logprobs."""
         p = self.params
         raw = logits
-        logits = self.process(logits)
-        if p.greedy:
-            token = int(torch.argmax(logits))
+        if argmax is not None and self.takes_argmax:
+            token = argmax
+        elif p.greedy:
+            token = int(torch.argmax(self.process(logits)))
         else:
-            token = self.draw(logits / p.temperature)
+            token = self.draw(self.process(logits) / p.temperature)
         self.num_generated += 1
         if self.counts is not None:
             self.counts[token] += 1
