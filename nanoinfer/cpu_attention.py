@@ -90,7 +90,7 @@ def library() -> ctypes.CDLL | None:
     p, i = ctypes.c_void_p, ctypes.c_int64
     for name in ENTRY_POINTS.values():
         getattr(lib, name).argtypes = [p, p, p, p, p, i, p, p, i, i, i, i, i, i, i]
-        getattr(lib, name).restype = None
+        getattr(lib, name).restype = ctypes.c_int
     return lib
 
 
@@ -112,6 +112,8 @@ def paged_decode(q: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, k_cache
     _, H, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
     B, width = tables.shape
-    getattr(library(), ENTRY_POINTS[q.dtype])(
+    failed = getattr(library(), ENTRY_POINTS[q.dtype])(
         q.data_ptr(), rows.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), width,
         ctx.data_ptr(), out.data_ptr(), B, H, Hkv, D, bs, window or 0, max_ctx)
+    if failed:
+        raise MemoryError(f"paged decode attention: no memory for {H} x {max_ctx} scores per thread")

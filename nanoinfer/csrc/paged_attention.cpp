@@ -121,19 +121,26 @@ void attend_one(const float* qf, const T* k, const T* v, const int64_t* table, i
     }
 }
 
+// Returns 0, or 1 if a thread could not allocate its scratch (nothing is then written).
 template <typename T>
-void paged_decode(const T* q, const int64_t* rows, const T* k, const T* v, const int64_t* tables, int64_t width,
-                  const int64_t* ctx, T* out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
-                  int64_t window, int64_t max_ctx) {
+int paged_decode(const T* q, const int64_t* rows, const T* k, const T* v, const int64_t* tables, int64_t width,
+                 const int64_t* ctx, T* out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
+                 int64_t window, int64_t max_ctx) {
     const int64_t G = H / Hkv;
     const float scale = 1.f / std::sqrt(float(D));
+    int failed = 0;
 #pragma omp parallel
     {
         float* s = static_cast<float*>(std::malloc(sizeof(float) * (H * max_ctx + 2 * H * D)));
         float* acc = s + H * max_ctx;
         float* qf = acc + H * D;
+        if (s == nullptr) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
 #pragma omp for schedule(dynamic)
-        for (int64_t b = 0; b < B; b++) {
+        for (int64_t b = 0; b < (failed ? 0 : B); b++) {
             const int64_t n = ctx[b], start = window > 0 && n > window ? n - window : 0;
             const T* qb = q + rows[b] * H * D;
             for (int64_t i = 0; i < H * D; i++) qf[i] = load(qb, i) * scale;
@@ -146,15 +153,16 @@ void paged_decode(const T* q, const int64_t* rows, const T* k, const T* v, const
         }
         std::free(s);
     }
+    return failed;
 }
 
 }  // namespace
 
 #define ENTRY(NAME, T)                                                                                      \
-    extern "C" void NAME(const T* q, const int64_t* rows, const T* k, const T* v, const int64_t* tables,   \
-                         int64_t width, const int64_t* ctx, T* out, int64_t B, int64_t H, int64_t Hkv,     \
-                         int64_t D, int64_t bs, int64_t window, int64_t max_ctx) {                         \
-        paged_decode<T>(q, rows, k, v, tables, width, ctx, out, B, H, Hkv, D, bs, window, max_ctx);        \
+    extern "C" int NAME(const T* q, const int64_t* rows, const T* k, const T* v, const int64_t* tables,    \
+                        int64_t width, const int64_t* ctx, T* out, int64_t B, int64_t H, int64_t Hkv,      \
+                        int64_t D, int64_t bs, int64_t window, int64_t max_ctx) {                          \
+        return paged_decode<T>(q, rows, k, v, tables, width, ctx, out, B, H, Hkv, D, bs, window, max_ctx); \
     }
 ENTRY(paged_decode_f32, float)
 ENTRY(paged_decode_bf16, BF16)
