@@ -72,10 +72,10 @@ def library() -> ctypes.CDLL | None:
         print("nanoinfer: no C++ compiler found; CPU decode attention runs on the slower PyTorch path",
               file=sys.stderr)
         return None
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, compiler, version, _cpu_id()]).encode()).hexdigest()
-    path = user_cache_dir() / "kernels" / f"paged_attention-{key[:16]}.so"
     try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+        key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, compiler, version, _cpu_id()]).encode())
+        path = user_cache_dir() / "kernels" / f"paged_attention-{key.hexdigest()[:16]}.so"
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             err = _compile(compiler, path)

@@ -105,3 +105,29 @@ def test_engine_same_tokens_with_and_without_kernel(make_hf_model):
     llm.engine.runner.decode_kernel = False
     without = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert with_kernel == without
+
+
+@pytest.mark.parametrize("how, message", [
+    ("missing", "unavailable"),  # $CXX names no program
+    ("failing", "building the CPU attention kernel failed"),  # a "compiler" that exits 1
+    ("disabled", ""),  # NANOINFER_CPU_KERNELS=0: off, silently
+])
+def test_without_a_working_compiler_the_pytorch_path_runs(how, message, monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("NANOINFER_CACHE_DIR", str(tmp_path))  # no kernel built before
+    if how == "missing":
+        monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    elif how == "failing":
+        monkeypatch.setenv("CXX", shutil.which("false"))
+    else:
+        monkeypatch.setenv("NANOINFER_CPU_KERNELS", "0")
+    cpu_attention.library.cache_clear()
+    try:
+        assert cpu_attention.library() is None
+        assert not cpu_attention.supports(torch.zeros(1))
+        err = capsys.readouterr().err
+        assert message in err and (message or not err)
+        assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.tmp"))  # nothing half-built left
+    finally:
+        monkeypatch.undo()
+        cpu_attention.library.cache_clear()
+    assert cpu_attention.library() is not None  # the real compiler again
