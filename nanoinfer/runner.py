@@ -54,11 +54,11 @@ class ModelRunner:
             if start + n == seq.length:  # caught up with its tokens: it samples the next one
                 logits_rows.append(len(ids) - 1)
                 samplers.append(i)
-        decode = self._decode_metadata(batch, decode_seqs) if decode_rows else (None, None, 0)
+        tables, ctx, max_ctx = self._decode_metadata(batch, decode_seqs) if decode_rows else (None, None, 0)
         attn = PagedAttention(
             self.cache, torch.tensor(slots, device=self.device), prefills,
-            torch.tensor(decode_rows, device=self.device) if decode_rows else None, *decode[:2],
-            windows=self.windows, decode_max_ctx=decode[2], decode_kernel=self.decode_kernel,
+            torch.tensor(decode_rows, device=self.device) if decode_rows else None, tables, ctx,
+            windows=self.windows, decode_max_ctx=max_ctx, decode_kernel=self.decode_kernel,
         )
         extra = {"prev_ids": torch.tensor(prev, device=self.device)} if self.needs_prev_ids else {}
         return (torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), attn,
