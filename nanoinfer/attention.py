@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 
-from . import cpu_attention
+from . import cpu_kernels
 
 if TYPE_CHECKING:
     from .kv_cache import PagedKVCache
@@ -93,7 +93,7 @@ class PagedAttention:
     decode_ctx: torch.Tensor | None  # [B, 1] keys each decode row sees (its position + 1)
     windows: list[int | None]  # per layer
     decode_max_ctx: int = 0  # the largest decode_ctx
-    decode_kernel: bool = False  # decodes run the compiled CPU kernel (cpu_attention.py), reading blocks in place
+    decode_kernel: bool = False  # decodes run the compiled CPU kernel (cpu_kernels.py), reading blocks in place
     _decode_masks: dict = field(default_factory=dict)  # window -> [B, 1, 1, S], built once per step
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
@@ -126,7 +126,7 @@ class PagedAttention:
             else:
                 out[rows] = sdpa(q[rows], keys, vals, p.mask(window))
         if self.decode_rows is not None and self.decode_kernel:
-            cpu_attention.paged_decode(q, out, self.decode_rows, kc, vc, self.decode_tables, self.decode_ctx,
+            cpu_kernels.paged_decode(q, out, self.decode_rows, kc, vc, self.decode_tables, self.decode_ctx,
                                        self.decode_max_ctx, window)
         elif self.decode_rows is not None:
             B = self.decode_rows.shape[0]

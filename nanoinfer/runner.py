@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import cpu_attention
+from . import cpu_kernels
 from .attention import PagedAttention, PrefillSlice
 from .config import ModelConfig
 from .kv_cache import PagedKVCache
@@ -18,7 +18,7 @@ class ModelRunner:
         self.cache = cache
         self.device = cache.k.device
         self.windows = config.windows()
-        self.decode_kernel = cpu_attention.supports(cache.k)
+        self.decode_kernel = cpu_kernels.decode_supported(cache.k)
         # Models that mix in the previous token (nanochat's smear) get its id for every position.
         self.needs_prev_ids = getattr(model, "needs_prev_ids", False)
 

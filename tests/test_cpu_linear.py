@@ -1,17 +1,24 @@
-"""bf16 linear layers packed for oneDNN at load: same results, same parameters, same bytes."""
+"""CPU linear layers swapped in at load: bf16 packed for oneDNN, fp32 decode batches through
+the compiled GEMM. Same results, same parameters, same bytes, same tokens."""
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from nanoinfer.cpu_linear import PackedLinear, pack_linears, packing_supported
+from nanoinfer import cpu_kernels
+from nanoinfer.cpu_linear import SMALL_BATCH_ROWS, PackedLinear, SmallBatchLinear, adapt_linears, packing_supported
 from nanoinfer.loaders import load_model
 from nanoinfer.reference import generate_uncached
 
-pytestmark = pytest.mark.skipif(not packing_supported(), reason="this torch build or CPU has no oneDNN bf16")
+needs_onednn = pytest.mark.skipif(not packing_supported(), reason="this torch build or CPU has no oneDNN bf16")
+needs_compiler = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                                    reason="no C++ compiler: the kernels cannot be built here")
 
 
+@needs_onednn
 @pytest.mark.parametrize("rows", [1, 3, 32, 300])
 def test_packed_linear_computes_the_same(rows):
     torch.manual_seed(0)
@@ -23,30 +30,66 @@ def test_packed_linear_computes_the_same(rows):
     assert (got - ref).abs().mean() < 1e-3
 
 
-def test_only_bf16_linears_are_packed():
-    fp32 = torch.nn.Sequential(torch.nn.Linear(8, 8))
-    assert pack_linears(fp32) == 0 and isinstance(fp32[0], torch.nn.Linear)
+@needs_compiler
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 48, 49, 300])
+@pytest.mark.parametrize("shape", [(96, 200), (576, 960), (37, 13)])  # K, N: a multiple of 16 or not, of 4 or not
+@pytest.mark.parametrize("bias", [False, True])
+def test_small_batch_linear_computes_the_same(rows, shape, bias):
+    """Both sides of the row range (the compiled GEMM inside, F.linear outside), ragged tiles."""
+    torch.manual_seed(rows)
+    K, N = shape
+    linear = torch.nn.Linear(K, N, bias=bias)
+    x = torch.randn(rows, K)
+    got = SmallBatchLinear(linear)(x)
+    torch.testing.assert_close(got, F.linear(x, linear.weight, linear.bias), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_packed_model_keeps_sizes_and_outputs(make_hf_model, tie):
-    """Loading in bf16 packs every linear; the parameter count and the greedy tokens are
-    those of the same model with plain linears."""
-    _, path = make_hf_model("llama", tie=tie)
-    packed = load_model(path, dtype=torch.bfloat16).model
-    assert not any(isinstance(m, torch.nn.Linear) for m in packed.modules())
-    plain = load_model(path, dtype=torch.bfloat16).model
-    for parent in list(plain.modules()):  # undo the packing: plain nn.Linear again, same weights
+@needs_compiler
+def test_small_batch_kernel_is_used_in_its_range(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "linear_f32", lambda x, w, b: calls.append(x.shape[0]) or F.linear(x, w, b))
+    layer = SmallBatchLinear(torch.nn.Linear(16, 8))
+    for rows in (1, 3, 4, 20, 48, 49):
+        layer(torch.randn(rows, 16))
+    assert calls == [r for r in (1, 3, 4, 20, 48, 49) if SMALL_BATCH_ROWS[0] <= r <= SMALL_BATCH_ROWS[1]]
+
+
+def test_other_linears_are_left_alone():
+    fp16 = torch.nn.Sequential(torch.nn.Linear(8, 8).half())
+    assert adapt_linears(fp16) == 0 and isinstance(fp16[0], torch.nn.Linear)
+
+
+def dense_copy(model: torch.nn.Module, tied: bool) -> torch.nn.Module:
+    """The same model with plain nn.Linear layers again (same weights)."""
+    for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, PackedLinear):
+            if isinstance(child, (PackedLinear, SmallBatchLinear)):
                 linear = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
-                linear.weight = (plain.model.embed_tokens.weight if tie and name == "lm_head"
-                                 else torch.nn.Parameter(child.weight.to_dense(), requires_grad=False))
+                if tied and name == "lm_head":
+                    linear.weight = model.model.embed_tokens.weight
+                elif isinstance(child, PackedLinear):
+                    linear.weight = torch.nn.Parameter(child.weight.to_dense(), requires_grad=False)
+                else:
+                    linear.weight = child.weight
                 linear.bias = child.bias
                 setattr(parent, name, linear)
-    assert sum(p.numel() for p in packed.parameters()) == sum(p.numel() for p in plain.parameters())
-    prompt = [3, 17, 92, 5, 44, 8]
+    return model
+
+
+@pytest.mark.parametrize("dtype", [
+    pytest.param(torch.bfloat16, marks=needs_onednn), pytest.param(torch.float32, marks=needs_compiler)])
+@pytest.mark.parametrize("tie", [False, True])
+def test_adapted_model_keeps_sizes_and_outputs(make_hf_model, tie, dtype):
+    """Loading swaps every linear; the parameter count, the logits of a decode-sized batch
+    and the greedy tokens are those of the same model with plain linears."""
+    _, path = make_hf_model("llama", tie=tie)
+    adapted = load_model(path, dtype=dtype).model
+    assert not any(isinstance(m, torch.nn.Linear) for m in adapted.modules())
+    plain = dense_copy(load_model(path, dtype=dtype).model, tie)
+    assert sum(p.numel() for p in adapted.parameters()) == sum(p.numel() for p in plain.parameters())
+    ids = torch.tensor([3, 17, 92, 5, 44, 8, 120, 77])  # 8 rows: inside the small-batch range
+    tol = dict(atol=0.1, rtol=0.05) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
     with torch.inference_mode():
-        torch.testing.assert_close(packed(torch.tensor(prompt), torch.arange(6)),
-                                   plain(torch.tensor(prompt), torch.arange(6)), atol=0.1, rtol=0.05)
-    assert generate_uncached(packed, prompt, 12)[0] == generate_uncached(plain, prompt, 12)[0]
+        torch.testing.assert_close(adapted(ids, torch.arange(8)), plain(ids, torch.arange(8)), **tol)
+    prompt = ids.tolist()[:6]
+    assert generate_uncached(adapted, prompt, 12)[0] == generate_uncached(plain, prompt, 12)[0]

@@ -1,7 +1,7 @@
 // Decode attention over a paged KV cache, for the CPU: one query token per sequence,
 // keys and values read straight from their blocks (no gathered copy, no padding).
 //
-// Built at first use by nanoinfer/cpu_attention.py (c++ -O3 -march=native -fopenmp) and
+// Built at first use by nanoinfer/cpu_kernels.py (c++ -O3 -march=native -fopenmp) and
 // called through ctypes; nanoinfer/attention.py's plain PyTorch path is the reference it
 // is tested against, and what runs when no compiler is found.
 //

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..cpu_linear import pack_linears
+from ..cpu_linear import adapt_linears
 from ..errors import ModelLoadError
 from ..tokenizer import Tokenizer
 
@@ -121,6 +121,6 @@ def build_module(cls, config: ModelConfig, state: dict[str, torch.Tensor], devic
         raise ModelLoadError(f"{where}: {' '.join(str(e).split())}") from None
     model.reset_rope()  # the meta-device tables become real tensors
     model = model.to(device).eval()
-    pack_linears(model)  # bf16 on CPU: oneDNN layouts, once
+    adapt_linears(model)  # CPU: bf16 weights packed for oneDNN, fp32 decode batches to the compiled GEMM
     return model
 

@@ -1,13 +1,15 @@
-"""The compiled CPU decode-attention kernel (csrc/paged_attention.cpp), built once per
-machine with the system C++ compiler and called through ctypes.
+"""nanoinfer's compiled CPU kernels (csrc/*.cpp), built once per machine with the system
+C++ compiler and called through ctypes.
 
-Why a kernel: the plain PyTorch path copies every decode row's blocks into one padded
-tensor per layer and then attends over the copy; on a CPU that copy moves as many bytes
-as the attention reads. The kernel reads the blocks in place, one sequence per thread.
-It needs no torch headers, so it builds in about a second.
+- `paged_decode` (csrc/paged_attention.cpp): decode attention reading the KV blocks in
+  place. The PyTorch path copies every decode row's blocks into one padded tensor per
+  layer before attending; on a CPU that copy moves as many bytes as the attention reads.
+- `linear_f32` (csrc/small_gemm.cpp): fp32 y = x w^T for decode batch sizes, where MKL's
+  sgemm spends more time repacking the weight than computing.
 
-Used for fp32 and bf16 caches on the CPU. Without a compiler (or with
-NANOINFER_CPU_KERNELS=0) the PyTorch path runs; both are tested against each other.
+They need no torch headers, so they build in about a second on first use, into
+~/.cache/nanoinfer/kernels. Without a compiler (or with NANOINFER_CPU_KERNELS=0) the
+PyTorch paths run; kernels and PyTorch paths are tested against each other.
 """
 from __future__ import annotations
 
@@ -25,10 +27,10 @@ import torch
 
 from .user_cache import user_cache_dir
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "small_gemm.cpp")]
 # -ffast-math lets the dot products and sums vectorise; infinities stay (the softmax max starts at -inf).
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++17", "-shared", "-fPIC"]
-ENTRY_POINTS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+DECODE_ENTRY_POINTS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 
 
 def enabled() -> bool:
@@ -53,7 +55,8 @@ def _compile(compiler: str, out: Path) -> str | None:
     for extra in (["-fopenmp"], []):
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
-        proc = subprocess.run([compiler, *FLAGS, *extra, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        proc = subprocess.run([compiler, *FLAGS, *extra, *map(str, SOURCES), "-o", tmp], capture_output=True,
+                              text=True)
         if proc.returncode == 0:
             os.replace(tmp, out)
             return None
@@ -64,38 +67,40 @@ def _compile(compiler: str, out: Path) -> str | None:
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The built kernel, or None (with one line on stderr saying why) if it cannot be had."""
+    """The built kernels, or None (with one line on stderr saying why) if they cannot be had."""
     if not enabled():
         return None
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if compiler is None:
-        print("nanoinfer: no C++ compiler found; CPU decode attention runs on the slower PyTorch path",
-              file=sys.stderr)
+        print("nanoinfer: no C++ compiler found; the CPU runs the slower PyTorch paths", file=sys.stderr)
         return None
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-        key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, compiler, version, _cpu_id()]).encode())
-        path = user_cache_dir() / "kernels" / f"paged_attention-{key.hexdigest()[:16]}.so"
+        text = [src.read_text() for src in SOURCES]
+        key = hashlib.sha256("\0".join([*text, *FLAGS, compiler, version, _cpu_id()]).encode())
+        path = user_cache_dir() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             err = _compile(compiler, path)
             if err:
-                print(f"nanoinfer: building the CPU attention kernel failed ({err}); using the PyTorch path",
+                print(f"nanoinfer: building the CPU kernels failed ({err}); using the PyTorch paths",
                       file=sys.stderr)
                 return None
         lib = ctypes.CDLL(str(path))
     except OSError as e:
-        print(f"nanoinfer: the CPU attention kernel is unavailable ({e}); using the PyTorch path", file=sys.stderr)
+        print(f"nanoinfer: the CPU kernels are unavailable ({e}); using the PyTorch paths", file=sys.stderr)
         return None
     p, i = ctypes.c_void_p, ctypes.c_int64
-    for name in ENTRY_POINTS.values():
+    for name in DECODE_ENTRY_POINTS.values():
         getattr(lib, name).argtypes = [p, p, p, p, p, i, p, p, i, i, i, i, i, i, i]
         getattr(lib, name).restype = ctypes.c_int
+    lib.linear_f32.argtypes = [p, p, p, p, i, i, i]
+    lib.linear_f32.restype = None
     return lib
 
 
-def supports(cache: torch.Tensor) -> bool:
-    return cache.device.type == "cpu" and cache.dtype in ENTRY_POINTS and library() is not None
+def decode_supported(cache: torch.Tensor) -> bool:
+    return cache.device.type == "cpu" and cache.dtype in DECODE_ENTRY_POINTS and library() is not None
 
 
 def paged_decode(q: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, k_cache: torch.Tensor,
@@ -112,8 +117,21 @@ def paged_decode(q: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, k_cache
     _, H, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
     B, width = tables.shape
-    failed = getattr(library(), ENTRY_POINTS[q.dtype])(
+    failed = getattr(library(), DECODE_ENTRY_POINTS[q.dtype])(
         q.data_ptr(), rows.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), width,
         ctx.data_ptr(), out.data_ptr(), B, H, Hkv, D, bs, window or 0, max_ctx)
     if failed:
         raise MemoryError(f"paged decode attention: no memory for {H} x {max_ctx} scores per thread")
+
+
+def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear for a 2-D fp32 x and a contiguous fp32 weight on the CPU."""
+    x = x.contiguous()
+    assert x.dtype == weight.dtype == torch.float32 and x.dim() == 2 and weight.is_contiguous()
+    assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
+    M, K = x.shape
+    N = weight.shape[0]
+    y = torch.empty(M, N, dtype=torch.float32)
+    library().linear_f32(x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None,
+                         y.data_ptr(), M, K, N)
+    return y

@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from nanoinfer import LLM, SamplingParams, cpu_attention
+from nanoinfer import LLM, SamplingParams, cpu_kernels
 from nanoinfer.attention import PagedAttention
 from nanoinfer.kv_cache import PagedKVCache
 
@@ -16,10 +16,10 @@ if shutil.which("c++") is None and shutil.which("g++") is None:
 
 def test_kernel_builds():
     """With a compiler on the machine the kernel must build and load (no silent fallback)."""
-    assert cpu_attention.library() is not None
-    assert cpu_attention.supports(torch.zeros(1, dtype=torch.float32))
-    assert cpu_attention.supports(torch.zeros(1, dtype=torch.bfloat16))
-    assert not cpu_attention.supports(torch.zeros(1, dtype=torch.float16))
+    assert cpu_kernels.library() is not None
+    assert cpu_kernels.decode_supported(torch.zeros(1, dtype=torch.float32))
+    assert cpu_kernels.decode_supported(torch.zeros(1, dtype=torch.bfloat16))
+    assert not cpu_kernels.decode_supported(torch.zeros(1, dtype=torch.float16))
 
 
 def random_batch(seed: int, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int,
@@ -88,7 +88,7 @@ def test_kernel_leaves_other_rows_alone():
     attention, q, k, v, rows = random_batch(2, torch.float32, 9, 3, 64, 16, [20, 3], None)
     out = torch.full_like(q, 7.0)
     layer = attention(True)
-    cpu_attention.paged_decode(q, out, rows, layer.cache.k[0], layer.cache.v[0], layer.decode_tables,
+    cpu_kernels.paged_decode(q, out, rows, layer.cache.k[0], layer.cache.v[0], layer.decode_tables,
                                layer.decode_ctx, 20, None)
     assert torch.all(out[0] == 7.0) and torch.all(out[-1] == 7.0)
     assert not torch.any(out[rows] == 7.0)
@@ -109,7 +109,7 @@ def test_engine_same_tokens_with_and_without_kernel(make_hf_model):
 
 @pytest.mark.parametrize("how, message", [
     ("missing", "unavailable"),  # $CXX names no program
-    ("failing", "building the CPU attention kernel failed"),  # a "compiler" that exits 1
+    ("failing", "building the CPU kernels failed"),  # a "compiler" that exits 1
     ("disabled", ""),  # NANOINFER_CPU_KERNELS=0: off, silently
 ])
 def test_without_a_working_compiler_the_pytorch_path_runs(how, message, monkeypatch, tmp_path, capsys):
@@ -120,14 +120,14 @@ def test_without_a_working_compiler_the_pytorch_path_runs(how, message, monkeypa
         monkeypatch.setenv("CXX", shutil.which("false"))
     else:
         monkeypatch.setenv("NANOINFER_CPU_KERNELS", "0")
-    cpu_attention.library.cache_clear()
+    cpu_kernels.library.cache_clear()
     try:
-        assert cpu_attention.library() is None
-        assert not cpu_attention.supports(torch.zeros(1))
+        assert cpu_kernels.library() is None
+        assert not cpu_kernels.decode_supported(torch.zeros(1))
         err = capsys.readouterr().err
         assert message in err and (message or not err)
         assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.tmp"))  # nothing half-built left
     finally:
         monkeypatch.undo()
-        cpu_attention.library.cache_clear()
-    assert cpu_attention.library() is not None  # the real compiler again
+        cpu_kernels.library.cache_clear()
+    assert cpu_kernels.library() is not None  # the real compiler again
