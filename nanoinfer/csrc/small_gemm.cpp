@@ -1,7 +1,7 @@
 // y = x w^T (+ bias) in fp32 for the batch sizes of decode (a few to a few dozen rows), for
 // the CPU. MKL's sgemm repacks the weight on every call, which at these sizes costs more
 // than the arithmetic; this streams each weight row once from memory and reuses it from L1
-// for all rows of x. Used by nanoinfer/cpu_linear.py for 4..48 rows; MKL does the rest.
+// for all rows of x. Used by nanoinfer/cpu_linear.py for 4..32 rows; MKL does the rest.
 //
 // Layouts (contiguous, row-major): x [M, K], w [N, K] (nn.Linear's), bias [N] or null, y [M, N].
 #include <cstdint>
