@@ -60,6 +60,9 @@ CASES = [  # heads, kv_heads, head_dim, block_size, context lengths, window
     (4, 4, 128, 16, [5, 40, 129], None),  # no grouping, the other specialised head size
     (8, 2, 32, 4, [3, 64, 9, 1], None),  # a head size with no specialisation, small blocks
     (6, 3, 64, 8, [1, 7, 30, 61], 5),  # sliding window, shorter and longer than the context
+    (8, 4, 64, 16, [300], None),  # one sequence: its blocks are split over the threads, then merged
+    (9, 3, 128, 16, [45, 2], 40),  # two sequences, split too (one into an empty part), with a window
+    (9, 3, 64, 16, [5], None),  # one short sequence: more parts than blocks
 ]
 
 

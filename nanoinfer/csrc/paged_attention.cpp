@@ -1,5 +1,6 @@
 // Decode attention over a paged KV cache, for the CPU: one query token per sequence,
-// keys and values read straight from their blocks (no gathered copy, no padding).
+// keys and values read straight from their blocks (no gathered copy, no padding). A work
+// unit is one sequence, or with few sequences a run of one's blocks (merged after).
 //
 // Built at first use by nanoinfer/cpu_kernels.py (c++ -O3 -march=native -fopenmp) and
 // called through ctypes; nanoinfer/attention.py's plain PyTorch path is the reference it
@@ -16,6 +17,10 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 namespace {
 
@@ -72,17 +77,19 @@ inline void prefetch_block(const T* cache, const int64_t* table, int64_t t, int6
     for (int64_t off = 0; off < bs * row * int64_t(sizeof(T)); off += 64) __builtin_prefetch(p + off);
 }
 
-// One sequence, every head. qf: [H, D] fp32, already scaled. s: [H, n - start] scratch.
-// acc: [H, D] out. D_ > 0 fixes the head size at compile time (the loops unroll).
+// One sequence's tokens [t0, t1), every head. qf: [H, D] fp32, already scaled. s: [H, t1 - t0]
+// scratch. Out, per head h: m[h] the largest score, l[h] = sum of e^(score - m[h]), and
+// acc[h * D ...] = sum of e^(score - m[h]) * value (not yet divided by l: the parts of a
+// sequence split over threads are merged first). D_ > 0 fixes the head size at compile time.
 template <typename T, int D_>
-void attend_one(const float* qf, const T* k, const T* v, const int64_t* table, int64_t start, int64_t n,
-                int64_t bs, int64_t Hkv, int64_t G, int64_t D, float* s, float* acc) {
+void attend_part(const float* qf, const T* k, const T* v, const int64_t* table, int64_t t0, int64_t t1,
+                 int64_t bs, int64_t Hkv, int64_t G, int64_t D, float* s, float* acc, float* m, float* l) {
     if (D_ > 0) D = D_;
-    const int64_t S = n - start, H = Hkv * G, row = Hkv * D;
+    const int64_t S = t1 - t0, H = Hkv * G, row = Hkv * D;
     // scores: the keys are read in cache order, a whole token row (all kv heads) at a time
-    for (int64_t t = start; t < n;) {
-        const Run run = block_run(table, t, n, bs);
-        prefetch_block(k, table, t + run.count, n, bs, row);
+    for (int64_t t = t0; t < t1;) {
+        const Run run = block_run(table, t, t1, bs);
+        prefetch_block(k, table, t + run.count, t1, bs, row);
         const T* kp = k + run.slot * row;
         for (int64_t j = 0; j < run.count; j++, kp += row)
             for (int64_t hk = 0; hk < Hkv; hk++)
@@ -91,28 +98,28 @@ void attend_one(const float* qf, const T* k, const T* v, const int64_t* table, i
                     const T* kh = kp + hk * D;
                     float a = 0.f;
                     for (int64_t d = 0; d < D; d++) a += qh[d] * load(kh, d);
-                    s[h * S + t - start + j] = a;
+                    s[h * S + t - t0 + j] = a;
                 }
         t += run.count;
     }
     for (int64_t h = 0; h < H; h++) {
         float* sh = s + h * S;
-        float m = -INFINITY, l = 0.f;
-        for (int64_t i = 0; i < S; i++) m = sh[i] > m ? sh[i] : m;
-        for (int64_t i = 0; i < S; i++) sh[i] = exp_nonpositive(sh[i] - m);
-        for (int64_t i = 0; i < S; i++) l += sh[i];
-        const float inv = 1.f / l;
-        for (int64_t i = 0; i < S; i++) sh[i] *= inv;
+        float mh = -INFINITY, lh = 0.f;
+        for (int64_t i = 0; i < S; i++) mh = sh[i] > mh ? sh[i] : mh;
+        for (int64_t i = 0; i < S; i++) sh[i] = exp_nonpositive(sh[i] - mh);
+        for (int64_t i = 0; i < S; i++) lh += sh[i];
+        m[h] = mh;
+        l[h] = lh;
         for (int64_t d = 0; d < D; d++) acc[h * D + d] = 0.f;
     }
-    for (int64_t t = start; t < n;) {
-        const Run run = block_run(table, t, n, bs);
-        prefetch_block(v, table, t + run.count, n, bs, row);
+    for (int64_t t = t0; t < t1;) {
+        const Run run = block_run(table, t, t1, bs);
+        prefetch_block(v, table, t + run.count, t1, bs, row);
         const T* vp = v + run.slot * row;
         for (int64_t j = 0; j < run.count; j++, vp += row)
             for (int64_t hk = 0; hk < Hkv; hk++)
                 for (int64_t h = hk * G; h < (hk + 1) * G; h++) {
-                    const float p = s[h * S + t - start + j];
+                    const float p = s[h * S + t - t0 + j];
                     const T* vh = vp + hk * D;
                     float* ah = acc + h * D;
                     for (int64_t d = 0; d < D; d++) ah[d] += p * load(vh, d);
@@ -121,38 +128,85 @@ void attend_one(const float* qf, const T* k, const T* v, const int64_t* table, i
     }
 }
 
-// Returns 0, or 1 if a thread could not allocate its scratch (nothing is then written).
+constexpr int64_t kMaxParts = 64;
+
+// Returns 0, or 1 if the scratch could not be allocated (nothing is then written).
 template <typename T>
 int paged_decode(const T* q, const int64_t* rows, const T* k, const T* v, const int64_t* tables, int64_t width,
                  const int64_t* ctx, T* out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
                  int64_t window, int64_t max_ctx) {
     const int64_t G = H / Hkv;
     const float scale = 1.f / std::sqrt(float(D));
+    // Work units: a sequence, or with fewer sequences than twice the threads a run of its
+    // blocks (flash-decoding's split), so that a long batch-1 decode uses every core.
+    int64_t threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
+    const int64_t parts = B >= 2 * threads ? 1 : std::min<int64_t>(kMaxParts, (2 * threads + B - 1) / B);
+    const int64_t unit_size = H * (D + 2);  // a part's acc [H, D], m [H], l [H], kept for the merge
+    float* units = nullptr;
+    if (parts > 1 && (units = static_cast<float*>(std::malloc(sizeof(float) * B * parts * unit_size))) == nullptr)
+        return 1;
     int failed = 0;
 #pragma omp parallel
     {
-        float* s = static_cast<float*>(std::malloc(sizeof(float) * (H * max_ctx + 2 * H * D)));
-        float* acc = s + H * max_ctx;
-        float* qf = acc + H * D;
+        float* s = static_cast<float*>(std::malloc(sizeof(float) * (H * max_ctx + H * D + unit_size)));
+        float* qf = s + H * max_ctx;
+        float* own = qf + H * D;  // a whole sequence's acc, m, l: this thread's, reused
         if (s == nullptr) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp barrier
 #pragma omp for schedule(dynamic)
-        for (int64_t b = 0; b < (failed ? 0 : B); b++) {
+        for (int64_t u = 0; u < (failed ? 0 : B * parts); u++) {
+            const int64_t b = u / parts, part = u % parts;
             const int64_t n = ctx[b], start = window > 0 && n > window ? n - window : 0;
+            const int64_t first = start / bs, blocks = (n + bs - 1) / bs - first, per = (blocks + parts - 1) / parts;
+            const int64_t t0 = std::max(start, (first + part * per) * bs), t1 = std::min(n, (first + (part + 1) * per) * bs);
+            float* acc = parts == 1 ? own : units + u * unit_size;
+            float *m = acc + H * D, *l = m + H;
+            if (t0 >= t1) {  // more parts than blocks: this one is empty
+                for (int64_t i = 0; i < H * D; i++) acc[i] = 0.f;
+                for (int64_t h = 0; h < H; h++) m[h] = -INFINITY, l[h] = 0.f;
+                continue;
+            }
             const T* qb = q + rows[b] * H * D;
             for (int64_t i = 0; i < H * D; i++) qf[i] = load(qb, i) * scale;
             const int64_t* table = tables + b * width;
-            if (D == 64) attend_one<T, 64>(qf, k, v, table, start, n, bs, Hkv, G, D, s, acc);
-            else if (D == 128) attend_one<T, 128>(qf, k, v, table, start, n, bs, Hkv, G, D, s, acc);
-            else attend_one<T, 0>(qf, k, v, table, start, n, bs, Hkv, G, D, s, acc);
+            if (D == 64) attend_part<T, 64>(qf, k, v, table, t0, t1, bs, Hkv, G, D, s, acc, m, l);
+            else if (D == 128) attend_part<T, 128>(qf, k, v, table, t0, t1, bs, Hkv, G, D, s, acc, m, l);
+            else attend_part<T, 0>(qf, k, v, table, t0, t1, bs, Hkv, G, D, s, acc, m, l);
+            if (parts == 1) {  // the whole sequence: done
+                T* ob = out + rows[b] * H * D;
+                for (int64_t h = 0; h < H; h++)
+                    for (int64_t d = 0; d < D; d++) store(ob, h * D + d, acc[h * D + d] / l[h]);
+            }
+        }
+        // merge each sequence's parts: rescale to the largest max, then divide by the total
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < (failed || parts == 1 ? 0 : B); b++) {
             T* ob = out + rows[b] * H * D;
-            for (int64_t i = 0; i < H * D; i++) store(ob, i, acc[i]);
+            for (int64_t h = 0; h < H; h++) {
+                float top = -INFINITY, total = 0.f, w[kMaxParts];
+                for (int64_t p = 0; p < parts; p++) top = std::max(top, units[(b * parts + p) * unit_size + H * D + h]);
+                for (int64_t p = 0; p < parts; p++) {
+                    const float* unit = units + (b * parts + p) * unit_size;
+                    const float lp = unit[H * D + H + h];
+                    w[p] = lp > 0.f ? exp_nonpositive(unit[H * D + h] - top) : 0.f;
+                    total += lp * w[p];
+                }
+                for (int64_t d = 0; d < D; d++) {
+                    float o = 0.f;
+                    for (int64_t p = 0; p < parts; p++) o += w[p] * units[(b * parts + p) * unit_size + h * D + d];
+                    store(ob, h * D + d, o / total);
+                }
+            }
         }
         std::free(s);
     }
+    std::free(units);
     return failed;
 }
 
