@@ -78,9 +78,13 @@ def library() -> ctypes.CDLL | None:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
         text = [src.read_text() for src in SOURCES]
         key = hashlib.sha256("\0".join([*text, *FLAGS, compiler, version, _cpu_id()]).encode())
-        path = user_cache_dir() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
-        if not path.exists():
+        name = f"cpu_kernels-{key.hexdigest()[:16]}.so"
+        try:
+            path = user_cache_dir() / "kernels" / name
             path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError:  # no writable cache (a read-only home): build for this process only, in a private dir
+            path = Path(tempfile.mkdtemp(prefix="nanoinfer-kernels-")) / name
+        if not path.exists():
             err = _compile(compiler, path)
             if err:
                 print(f"nanoinfer: building the CPU kernels failed ({err}); using the PyTorch paths",

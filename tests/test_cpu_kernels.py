@@ -134,3 +134,18 @@ def test_without_a_working_compiler_the_pytorch_path_runs(how, message, monkeypa
         monkeypatch.undo()
         cpu_kernels.library.cache_clear()
     assert cpu_kernels.library() is not None  # the real compiler again
+
+
+def test_builds_without_a_writable_cache(monkeypatch, tmp_path):
+    """A cache directory that cannot be created (a file sits where it should be): the
+    kernels are built for this process in a private temporary directory instead."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("NANOINFER_CACHE_DIR", str(blocker / "cache"))
+    cpu_kernels.library.cache_clear()
+    try:
+        lib = cpu_kernels.library()
+        assert lib is not None and "nanoinfer-kernels-" in lib._name
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.library.cache_clear()
