@@ -77,6 +77,20 @@ inline void prefetch_block(const T* cache, const int64_t* table, int64_t t, int6
     for (int64_t off = 0; off < bs * row * int64_t(sizeof(T)); off += 64) __builtin_prefetch(p + off);
 }
 
+// fn(i, row) for each token t0 + i of [t0, t1) in cache order: row points at its [Hkv, D]
+// keys (or values); the next block is prefetched while this one is read.
+template <typename T, typename Fn>
+inline void for_each_row(const T* cache, const int64_t* table, int64_t t0, int64_t t1, int64_t bs, int64_t row,
+                         Fn fn) {
+    for (int64_t t = t0; t < t1;) {
+        const Run run = block_run(table, t, t1, bs);
+        prefetch_block(cache, table, t + run.count, t1, bs, row);
+        const T* p = cache + run.slot * row;
+        for (int64_t j = 0; j < run.count; j++, p += row) fn(t - t0 + j, p);
+        t += run.count;
+    }
+}
+
 // One sequence's tokens [t0, t1), every head. qf: [H, D] fp32, already scaled. s: [H, t1 - t0]
 // scratch. Out, per head h: m[h] the largest score, l[h] = sum of e^(score - m[h]), and
 // acc[h * D ...] = sum of e^(score - m[h]) * value (not yet divided by l: the parts of a
@@ -86,22 +100,16 @@ void attend_part(const float* qf, const T* k, const T* v, const int64_t* table, 
                  int64_t bs, int64_t Hkv, int64_t G, int64_t D, float* s, float* acc, float* m, float* l) {
     if (D_ > 0) D = D_;
     const int64_t S = t1 - t0, H = Hkv * G, row = Hkv * D;
-    // scores: the keys are read in cache order, a whole token row (all kv heads) at a time
-    for (int64_t t = t0; t < t1;) {
-        const Run run = block_run(table, t, t1, bs);
-        prefetch_block(k, table, t + run.count, t1, bs, row);
-        const T* kp = k + run.slot * row;
-        for (int64_t j = 0; j < run.count; j++, kp += row)
-            for (int64_t hk = 0; hk < Hkv; hk++)
-                for (int64_t h = hk * G; h < (hk + 1) * G; h++) {
-                    const float* qh = qf + h * D;
-                    const T* kh = kp + hk * D;
-                    float a = 0.f;
-                    for (int64_t d = 0; d < D; d++) a += qh[d] * load(kh, d);
-                    s[h * S + t - t0 + j] = a;
-                }
-        t += run.count;
-    }
+    for_each_row(k, table, t0, t1, bs, row, [&](int64_t i, const T* kp) {  // scores
+        for (int64_t hk = 0; hk < Hkv; hk++)
+            for (int64_t h = hk * G; h < (hk + 1) * G; h++) {
+                const float* qh = qf + h * D;
+                const T* kh = kp + hk * D;
+                float a = 0.f;
+                for (int64_t d = 0; d < D; d++) a += qh[d] * load(kh, d);
+                s[h * S + i] = a;
+            }
+    });
     for (int64_t h = 0; h < H; h++) {
         float* sh = s + h * S;
         float mh = -INFINITY, lh = 0.f;
@@ -112,20 +120,15 @@ void attend_part(const float* qf, const T* k, const T* v, const int64_t* table, 
         l[h] = lh;
         for (int64_t d = 0; d < D; d++) acc[h * D + d] = 0.f;
     }
-    for (int64_t t = t0; t < t1;) {
-        const Run run = block_run(table, t, t1, bs);
-        prefetch_block(v, table, t + run.count, t1, bs, row);
-        const T* vp = v + run.slot * row;
-        for (int64_t j = 0; j < run.count; j++, vp += row)
-            for (int64_t hk = 0; hk < Hkv; hk++)
-                for (int64_t h = hk * G; h < (hk + 1) * G; h++) {
-                    const float p = s[h * S + t - t0 + j];
-                    const T* vh = vp + hk * D;
-                    float* ah = acc + h * D;
-                    for (int64_t d = 0; d < D; d++) ah[d] += p * load(vh, d);
-                }
-        t += run.count;
-    }
+    for_each_row(v, table, t0, t1, bs, row, [&](int64_t i, const T* vp) {  // weighted values
+        for (int64_t hk = 0; hk < Hkv; hk++)
+            for (int64_t h = hk * G; h < (hk + 1) * G; h++) {
+                const float p = s[h * S + i];
+                const T* vh = vp + hk * D;
+                float* ah = acc + h * D;
+                for (int64_t d = 0; d < D; d++) ah[d] += p * load(vh, d);
+            }
+    });
 }
 
 constexpr int64_t kMaxParts = 64;
