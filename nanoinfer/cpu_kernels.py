@@ -4,8 +4,9 @@ C++ compiler and called through ctypes.
 - `paged_decode` (csrc/paged_attention.cpp): decode attention reading the KV blocks in
   place. The PyTorch path copies every decode row's blocks into one padded tensor per
   layer before attending; on a CPU that copy moves as many bytes as the attention reads.
-- `linear_f32` (csrc/small_gemm.cpp): fp32 y = x w^T for decode batch sizes, where MKL's
-  sgemm spends more time repacking the weight than computing.
+- `linear_packed_f32` (csrc/packed_gemm.cpp): fp32 y = x w^T from a weight reordered once
+  at load (`pack_f32`); at decode batch sizes MKL's sgemm spends more time repacking the
+  weight on every call than computing.
 
 They need no torch headers, so they build in about a second on first use, into
 ~/.cache/nanoinfer/kernels. Without a compiler (or with NANOINFER_CPU_KERNELS=0) the
@@ -27,7 +28,7 @@ import torch
 
 from .user_cache import user_cache_dir
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "small_gemm.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "packed_gemm.cpp")]
 # -ffast-math lets the dot products and sums vectorise; infinities stay (the softmax max starts at -inf).
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++17", "-shared", "-fPIC"]
 DECODE_ENTRY_POINTS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
@@ -98,8 +99,8 @@ def library() -> ctypes.CDLL | None:
     for name in DECODE_ENTRY_POINTS.values():
         getattr(lib, name).argtypes = [p, p, p, p, p, i, p, p, i, i, i, i, i, i, i]
         getattr(lib, name).restype = ctypes.c_int
-    lib.linear_f32.argtypes = [p, p, p, p, i, i, i]
-    lib.linear_f32.restype = None
+    lib.linear_packed_f32.argtypes = [p, p, p, p, i, i, i]
+    lib.linear_packed_f32.restype = None
     return lib
 
 
@@ -128,14 +129,38 @@ def paged_decode(q: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, k_cache
         raise MemoryError(f"paged decode attention: no memory for {H} x {max_ctx} scores per thread")
 
 
-def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear for a 2-D fp32 x and a contiguous fp32 weight on the CPU."""
+PANEL = 32  # output columns per panel of a packed fp32 weight (NR in csrc/packed_gemm.cpp)
+
+
+def pack_f32(weight: torch.Tensor) -> torch.Tensor:
+    """nn.Linear's [N, K] weight reordered for `linear_packed_f32`: panels of 32 rows of w,
+    each stored k-major (the 32 values of one k side by side), the last panel as wide as
+    what is left. Same shape, dtype and element count as `weight`; only the order differs."""
+    N, K = weight.shape
+    full = N // PANEL * PANEL
+    body = weight[:full].reshape(-1, PANEL, K).transpose(1, 2).reshape(-1)
+    tail = weight[full:].t().reshape(-1)
+    return torch.cat([body, tail]).reshape(N, K)
+
+
+def unpack_f32(packed: torch.Tensor) -> torch.Tensor:
+    """The [N, K] weight back from `pack_f32`'s order."""
+    N, K = packed.shape
+    full = N // PANEL * PANEL
+    flat = packed.reshape(-1)
+    body = flat[:full * K].reshape(-1, K, PANEL).transpose(1, 2).reshape(full, K)
+    tail = flat[full * K:].reshape(K, N - full).t()
+    return torch.cat([body, tail])
+
+
+def linear_packed_f32(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, w, bias) for a 2-D fp32 x on the CPU, w given as pack_f32(w)."""
     x = x.contiguous()
-    assert x.dtype == weight.dtype == torch.float32 and x.dim() == 2 and weight.is_contiguous()
+    assert x.dtype == packed.dtype == torch.float32 and x.dim() == 2 and packed.is_contiguous()
     assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
     M, K = x.shape
-    N = weight.shape[0]
+    N = packed.shape[0]
     y = torch.empty(M, N, dtype=torch.float32)
-    library().linear_f32(x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None,
-                         y.data_ptr(), M, K, N)
+    library().linear_packed_f32(x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None,
+                                y.data_ptr(), M, K, N)
     return y

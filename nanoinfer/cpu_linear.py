@@ -1,17 +1,15 @@
-"""Linear layers for the CPU, swapped in at load: what a plain F.linear wastes at the sizes
-an inference engine runs.
+"""Linear layers for the CPU, swapped in at load: each weight is reordered once into the
+layout of the GEMM that runs it, instead of on every call as a plain F.linear does.
 
-- bf16 (`PackedLinear`): a plain bf16 F.linear reorders the weight into oneDNN's blocked
-  layout on every call; doing it once at load makes the layers' GEMMs ~28% faster at
-  decode batch sizes (1 to 32 rows) and ~20% faster at 1024 rows (SmolLM2-135M's shapes on
-  an AMX CPU). Outputs matched plain F.linear exactly up to 64 rows and within bf16
-  rounding above.
-- fp32 (`SmallBatchLinear`): for 4 to 32 rows, MKL's sgemm repacks the weight on every
-  call; the compiled small-batch GEMM (csrc/small_gemm.cpp) streams it once instead: a
-  decode step at batch 8 takes 78-81 ms instead of 111-116 ms (SmolLM2-135M, same tokens).
-  At one row MKL's GEMV already runs at the memory's speed, and from about 32 rows MKL
-  is as fast or faster, so both stay with F.linear. Sums run in another order than
-  MKL's: results agree to ~1e-6.
+- bf16: oneDNN's blocked layout (`_reorder_linear_weight`); the layers' GEMMs run ~28%
+  faster at decode batch sizes (1 to 32 rows) and ~20% faster at 1024 rows (SmolLM2-135M's
+  shapes on an AMX CPU). Outputs matched plain F.linear exactly up to 64 rows and within
+  bf16 rounding above.
+- fp32: panels for the compiled GEMM (csrc/packed_gemm.cpp). MKL's sgemm repacks the
+  weight on every call, which at decode batch sizes costs more than the arithmetic; the
+  packed GEMM is as fast as MKL at 1 and 1024 rows and 1.3-2x faster in between. Sums run
+  in another order than MKL's (results agree to ~1e-6), and each row's result is the same
+  whatever the batch around it.
 """
 from __future__ import annotations
 
@@ -22,8 +20,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_kernels
-
-SMALL_BATCH_ROWS = (4, 32)  # rows of x for which the compiled fp32 GEMM beats MKL (measured)
 
 
 @functools.cache
@@ -42,54 +38,51 @@ def packing_supported() -> bool:
         return False
 
 
-class PackedLinear(nn.Module):
-    """Computes what a bf16 `linear` did, from the packed copy of its weight.
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    if weight.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    return cpu_kernels.pack_f32(weight.contiguous())
 
-    An untied weight is replaced by its packed form (still a parameter, same shape and
-    dtype, so sizes and byte counts stay true). A head tied to the embedding keeps the
-    dense table for lookups; its packed copy is a non-persistent buffer, so the tied
-    table is still counted once."""
+
+class PackedLinear(nn.Module):
+    """Computes what a CPU `linear` did, from a copy of its weight packed for the GEMM.
+
+    An untied weight is replaced by its packed form (still a parameter, same shape, dtype
+    and element count, so sizes and byte counts stay true). A head tied to the embedding
+    keeps the dense table for lookups; its packed copy is a non-persistent buffer, so the
+    tied table is still counted once."""
 
     def __init__(self, linear: nn.Linear, tied: bool):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        packed = _pack(linear.weight.detach())
         if tied:
             self.register_buffer("packed_weight", packed, persistent=False)
         else:
             self.weight = nn.Parameter(packed, requires_grad=False)
         self.bias = linear.bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.packed_weight if hasattr(self, "packed_weight") else self.weight
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, self.bias, "none", [], "")
+    def packed(self) -> torch.Tensor:
+        return self.packed_weight if hasattr(self, "packed_weight") else self.weight
 
-
-class SmallBatchLinear(nn.Module):
-    """An fp32 `linear` with the same weight and bias (shared, not copied: a tied head stays
-    tied) that sends decode-sized batches to the compiled GEMM."""
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight, self.bias = linear.weight, linear.bias
+    def dense_weight(self) -> torch.Tensor:
+        """The [out, in] weight in nn.Linear's layout (for checks and conversions)."""
+        w = self.packed()
+        return w.to_dense() if w.dtype == torch.bfloat16 else cpu_kernels.unpack_f32(w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and SMALL_BATCH_ROWS[0] <= x.shape[0] <= SMALL_BATCH_ROWS[1]:
-            return cpu_kernels.linear_f32(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        w = self.packed()
+        if w.dtype == torch.bfloat16:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, self.bias, "none", [], "")
+        y = cpu_kernels.linear_packed_f32(x.reshape(-1, self.in_features), w, self.bias)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
 
 def _replacement(linear: nn.Linear, tied: bool) -> nn.Module | None:
     w = linear.weight
-    if w.device.type != "cpu":
-        return None
-    if w.dtype == torch.bfloat16 and packing_supported():
-        return PackedLinear(linear, tied)
-    if (w.dtype == torch.float32 and w.is_contiguous() and (linear.bias is None or linear.bias.is_contiguous())
-            and cpu_kernels.library() is not None):
-        return SmallBatchLinear(linear)
-    return None
+    packable = ((w.dtype == torch.bfloat16 and packing_supported())
+                or (w.dtype == torch.float32 and cpu_kernels.library() is not None))
+    return PackedLinear(linear, tied) if w.device.type == "cpu" and packable else None
 
 
 def adapt_linears(model: nn.Module) -> int:

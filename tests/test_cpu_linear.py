@@ -1,4 +1,4 @@
-"""CPU linear layers swapped in at load: bf16 packed for oneDNN, fp32 decode batches through
+"""CPU linear layers swapped in at load, their weights packed once: bf16 for oneDNN, fp32 for
 the compiled GEMM. Same results, same parameters, same bytes, same tokens."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoinfer import cpu_kernels
-from nanoinfer.cpu_linear import SMALL_BATCH_ROWS, PackedLinear, SmallBatchLinear, adapt_linears, packing_supported
+from nanoinfer.cpu_linear import PackedLinear, adapt_linears, packing_supported
 from nanoinfer.loaders import load_model
 from nanoinfer.reference import generate_uncached
 
@@ -31,27 +31,44 @@ def test_packed_linear_computes_the_same(rows):
 
 
 @needs_compiler
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 32, 33, 300])
-@pytest.mark.parametrize("shape", [(96, 200), (576, 960), (37, 13)])  # K, N: a multiple of 16 or not, of 4 or not
+@pytest.mark.parametrize("shape", [(96, 200), (576, 960), (37, 13), (5, 64)])  # K, N: N a multiple of 32 or not
+def test_pack_f32_round_trips(shape):
+    w = torch.randn(shape[1], shape[0])
+    packed = cpu_kernels.pack_f32(w)
+    assert packed.shape == w.shape and not torch.equal(packed, w)  # same size, another order
+    assert torch.equal(cpu_kernels.unpack_f32(packed), w)
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows", [1, 3, 12, 13, 25, 96, 97, 300])  # register tiles of 12, row chunks of 96
+@pytest.mark.parametrize("shape", [(96, 200), (576, 960), (37, 13), (1536, 64)])  # K, N: whole panels or not
 @pytest.mark.parametrize("bias", [False, True])
-def test_small_batch_linear_computes_the_same(rows, shape, bias):
-    """Both sides of the row range (the compiled GEMM inside, F.linear outside), ragged tiles."""
+def test_packed_f32_linear_computes_the_same(rows, shape, bias):
     torch.manual_seed(rows)
     K, N = shape
     linear = torch.nn.Linear(K, N, bias=bias)
     x = torch.randn(rows, K)
-    got = SmallBatchLinear(linear)(x)
+    got = PackedLinear(linear, tied=False)(x)
     torch.testing.assert_close(got, F.linear(x, linear.weight, linear.bias), atol=1e-5, rtol=1e-5)
 
 
 @needs_compiler
-def test_small_batch_kernel_is_used_in_its_range(monkeypatch):
-    calls = []
-    monkeypatch.setattr(cpu_kernels, "linear_f32", lambda x, w, b: calls.append(x.shape[0]) or F.linear(x, w, b))
-    layer = SmallBatchLinear(torch.nn.Linear(16, 8))
-    for rows in (1, 3, 4, 20, 32, 33):
-        layer(torch.randn(rows, 16))
-    assert calls == [r for r in (1, 3, 4, 20, 32, 33) if SMALL_BATCH_ROWS[0] <= r <= SMALL_BATCH_ROWS[1]]
+def test_packed_f32_rows_do_not_depend_on_the_batch():
+    """A row's output is bit-identical alone, in any tile position and in any batch size."""
+    torch.manual_seed(0)
+    layer = PackedLinear(torch.nn.Linear(160, 200, bias=True), tied=False)
+    x = torch.randn(101, 160)
+    whole = layer(x)
+    for r in (0, 11, 12, 50, 100):
+        assert torch.equal(layer(x[r:r + 1]), whole[r:r + 1])
+    assert torch.equal(layer(x[7:40]), whole[7:40])
+
+
+@needs_compiler
+def test_packed_f32_linear_takes_any_leading_dims():
+    linear = torch.nn.Linear(24, 40)
+    x = torch.randn(2, 3, 24)
+    torch.testing.assert_close(PackedLinear(linear, tied=False)(x), linear(x), atol=1e-5, rtol=1e-5)
 
 
 def test_other_linears_are_left_alone():
@@ -63,14 +80,12 @@ def dense_copy(model: torch.nn.Module, tied: bool) -> torch.nn.Module:
     """The same model with plain nn.Linear layers again (same weights)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, (PackedLinear, SmallBatchLinear)):
+            if isinstance(child, PackedLinear):
                 linear = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
                 if tied and name == "lm_head":
                     linear.weight = model.model.embed_tokens.weight
-                elif isinstance(child, PackedLinear):
-                    linear.weight = torch.nn.Parameter(child.weight.to_dense(), requires_grad=False)
                 else:
-                    linear.weight = child.weight
+                    linear.weight = torch.nn.Parameter(child.dense_weight(), requires_grad=False)
                 linear.bias = child.bias
                 setattr(parent, name, linear)
     return model
@@ -87,7 +102,7 @@ def test_adapted_model_keeps_sizes_and_outputs(make_hf_model, tie, dtype):
     assert not any(isinstance(m, torch.nn.Linear) for m in adapted.modules())
     plain = dense_copy(load_model(path, dtype=dtype).model, tie)
     assert sum(p.numel() for p in adapted.parameters()) == sum(p.numel() for p in plain.parameters())
-    ids = torch.tensor([3, 17, 92, 5, 44, 8, 120, 77])  # 8 rows: inside the small-batch range
+    ids = torch.tensor([3, 17, 92, 5, 44, 8, 120, 77])  # a decode-sized batch
     tol = dict(atol=0.1, rtol=0.05) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
     with torch.inference_mode():
         torch.testing.assert_close(adapted(ids, torch.arange(8)), plain(ids, torch.arange(8)), **tol)

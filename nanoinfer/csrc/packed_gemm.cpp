@@ -1,0 +1,119 @@
+// y = x w^T (+ bias) in fp32 on the CPU, from a weight reordered once at load into panels
+// of 32 output columns: panel p holds w[32p .. 32p+31][k] for k = 0..K-1, the 32 values of
+// one k side by side (the last panel is narrower when N is not a multiple of 32). Layout
+// and the reordering itself: nanoinfer/cpu_kernels.py (pack_f32).
+//
+// Why not MKL's sgemm: at decode sizes (one to a few dozen rows of x) it repacks the whole
+// weight on every call, which costs more than the arithmetic. Here a tile of up to 12 rows
+// by one panel keeps 24 vector accumulators in registers, reads each panel value once per
+// tile and broadcasts x; the next panel is prefetched while the current one is computed, so
+// reading the weight from memory overlaps the arithmetic. Measured on SmolLM2-135M's
+// shapes: as fast as MKL at 1 and at 1024 rows, 1.3-2x faster from 8 to 256 rows.
+//
+// Every output is one fused multiply-add chain over k in order, whatever the number of rows
+// and whichever tile a row falls in: a row's result does not depend on the batch around it.
+//
+// Layouts (contiguous, row-major): x [M, K], y [M, N], bias [N] or null.
+#include <cstdint>
+#include <cstring>
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));  // the compiler maps it to what the CPU has
+
+constexpr int64_t NR = 32;         // columns per panel
+constexpr int MR = 12;             // rows per register tile: 24 accumulators
+constexpr int64_t ROW_CHUNK = 96;  // rows of x that stay in cache while every panel goes by
+
+inline v16 load16(const float* p) {
+    v16 v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
+inline void prefetch(const float* p) {
+#if defined(__SSE__)
+    _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+#else
+    __builtin_prefetch(p);
+#endif
+}
+
+// MT rows of x by one full panel; `next` (or null) is the panel to prefetch meanwhile.
+template <int MT>
+void tile(const float* x, int64_t K, const float* panel, const float* bias, float* y, int64_t N,
+          const float* next) {
+    v16 acc[MT][2];
+    for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = v16{};
+    for (int64_t k = 0; k < K; k++) {
+        const v16 w0 = load16(panel + k * NR), w1 = load16(panel + k * NR + 16);
+        if (next) {
+            prefetch(next + k * NR);
+            prefetch(next + k * NR + 16);
+        }
+        for (int i = 0; i < MT; i++) {
+            const float xv = x[i * K + k];
+            acc[i][0] += xv * w0;
+            acc[i][1] += xv * w1;
+        }
+    }
+    for (int i = 0; i < MT; i++) {
+        if (bias) {
+            acc[i][0] += load16(bias);
+            acc[i][1] += load16(bias + 16);
+        }
+        std::memcpy(y + i * N, &acc[i][0], sizeof(v16));
+        std::memcpy(y + i * N + 16, &acc[i][1], sizeof(v16));
+    }
+}
+
+// M rows (at most ROW_CHUNK) against one full panel, in tiles of MR rows and one of the rest.
+void full_panel(const float* x, int64_t M, int64_t K, const float* panel, const float* bias, float* y, int64_t N,
+                const float* next) {
+    using Tile = void (*)(const float*, int64_t, const float*, const float*, float*, int64_t, const float*);
+    static constexpr Tile tiles[MR + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>,
+                                           tile<7>, tile<8>, tile<9>, tile<10>, tile<11>, tile<12>};
+    for (int64_t m = 0; m < M; m += MR) {
+        const int rows = int(M - m < MR ? M - m : MR);
+        tiles[rows](x + m * K, K, panel, bias, y + m * N, N, m == 0 ? next : nullptr);
+    }
+}
+
+// The last, narrower panel (width < 32, values of one k side by side): one row at a time,
+// the same chain over k per output.
+void narrow_panel(const float* x, int64_t M, int64_t K, const float* panel, int64_t width, const float* bias,
+                  float* y, int64_t N) {
+    for (int64_t m = 0; m < M; m++) {
+        float acc[NR] = {};
+        for (int64_t k = 0; k < K; k++) {
+            const float xv = x[m * K + k];
+            for (int64_t j = 0; j < width; j++) acc[j] += xv * panel[k * width + j];
+        }
+        for (int64_t j = 0; j < width; j++) y[m * N + j] = acc[j] + (bias ? bias[j] : 0.f);
+    }
+}
+
+}  // namespace
+
+extern "C" void linear_packed_f32(const float* x, const float* packed, const float* bias, float* y, int64_t M,
+                                  int64_t K, int64_t N) {
+    const int64_t full = N / NR, panels = (N + NR - 1) / NR;
+#pragma omp parallel
+    for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
+        const int64_t rows = M - m0 < ROW_CHUNK ? M - m0 : ROW_CHUNK;
+        // Static: each thread walks a run of consecutive panels, so the next one is its own.
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            const float* panel = packed + p * K * NR;
+            const float* b = bias ? bias + p * NR : nullptr;
+            if (p < full)
+                full_panel(x + m0 * K, rows, K, panel, b, y + m0 * N + p * NR, N,
+                           p + 1 < full ? panel + K * NR : nullptr);
+            else
+                narrow_panel(x + m0 * K, rows, K, panel, N - p * NR, b, y + m0 * N + p * NR, N);
+        }
+    }
+}
