@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from .. import layer_ops
 from ..attention import AttentionBackend, CausalAttention
 from ..config import ModelConfig
 
@@ -24,10 +24,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 as the reference does, whatever the compute dtype; torch's fused
-        # rms_norm is one op where the spelled-out formula is five (decode is op-bound).
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm of the stream, the stream): the stream is residual + x, or x without one."""
+        return layer_ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -54,15 +53,6 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half layout (HF): the first and second halves of head_dim form the pairs.
-
-    x: [T, heads, head_dim]; cos, sin: [T, 1, head_dim // 2].
-    """
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
@@ -84,9 +74,9 @@ class Attention(nn.Module):
         v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
         if self.q_norm is not None:
             q, k = qkv[:, :H * D].view(T, H, D), qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D)
-            q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
+            q, k = layer_ops.rope(self.q_norm(q)[0], cos, sin), layer_ops.rope(self.k_norm(k)[0], cos, sin)
         else:  # q and k side by side: one rotation for both (half the ops)
-            q, k = apply_rope(qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D), cos, sin).split((H, Hkv), dim=1)
+            q, k = layer_ops.rope(qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D), cos, sin).split((H, Hkv), dim=1)
         out = attn.attend(self.layer, q, k, v)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
@@ -99,8 +89,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(layer_ops.silu_mul(self.gate_up_proj(x)))
 
 
 def fuse_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -134,9 +123,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, attn):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, attn):
+        """x: the previous layer's output (the embeddings, with residual None, for the first);
+        residual: the stream it adds to. Returns this layer's output and the stream, whose
+        sum the next norm takes in one pass (vLLM's fused add + RMSNorm)."""
+        h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, cos, sin, attn), residual)
+        return self.mlp(h), residual
 
 
 class Backbone(nn.Module):
@@ -198,8 +191,9 @@ class LlamaForCausalLM(nn.Module):
         dtype = x.dtype
         cos = self.rope_cos[positions].unsqueeze(1).to(dtype)
         sin = self.rope_sin[positions].unsqueeze(1).to(dtype)
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, attn)
+            x, residual = layer(x, residual, cos, sin, attn)
         if logits_indices is not None:
-            x = x[logits_indices]
-        return self.lm_head(self.model.norm(x)).float()
+            x, residual = x[logits_indices], residual[logits_indices]
+        return self.lm_head(self.model.norm(x, residual)[0]).float()
