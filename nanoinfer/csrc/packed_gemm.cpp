@@ -6,14 +6,17 @@
 // Why not MKL's sgemm: at decode sizes (one to a few dozen rows of x) it repacks the whole
 // weight on every call, which costs more than the arithmetic. Here a tile of up to 12 rows
 // by one panel keeps 24 vector accumulators in registers, reads each panel value once per
-// tile and broadcasts x; the next panel is prefetched while the current one is computed, so
-// reading the weight from memory overlaps the arithmetic. Measured on SmolLM2-135M's
+// tile and broadcasts x. While a panel is computed the next one is prefetched into L2, a
+// share per tile, so that reading the weight from memory overlaps the arithmetic evenly
+// (at 32 rows ~12% faster than prefetching it all during the first tile, and at 1 row 20%
+// faster into L2 than into L1, where it evicts the panel in use). Measured on SmolLM2-135M's
 // shapes: as fast as MKL at 1 and at 1024 rows, 1.3-2x faster from 8 to 256 rows.
 //
 // Every output is one fused multiply-add chain over k in order, whatever the number of rows
 // and whichever tile a row falls in: a row's result does not depend on the batch around it.
 //
 // Layouts (contiguous, row-major): x [M, K], y [M, N], bias [N] or null.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #if defined(__SSE__)
@@ -36,23 +39,24 @@ inline v16 load16(const float* p) {
 
 inline void prefetch(const float* p) {
 #if defined(__SSE__)
-    _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1);
 #else
-    __builtin_prefetch(p);
+    __builtin_prefetch(p, 0, 2);
 #endif
 }
 
-// MT rows of x by one full panel; `next` (or null) is the panel to prefetch meanwhile.
+// MT rows of x by one full panel, prefetching the `ahead` floats from `next` meanwhile,
+// per_k floats (one or two cache lines) a step.
 template <int MT>
 void tile(const float* x, int64_t K, const float* panel, const float* bias, float* y, int64_t N,
-          const float* next) {
+          const float* next, int64_t ahead, int64_t per_k) {
     v16 acc[MT][2];
     for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = v16{};
     for (int64_t k = 0; k < K; k++) {
         const v16 w0 = load16(panel + k * NR), w1 = load16(panel + k * NR + 16);
-        if (next) {
-            prefetch(next + k * NR);
-            prefetch(next + k * NR + 16);
+        if (k * per_k < ahead) {
+            prefetch(next + k * per_k);
+            if (per_k > 16) prefetch(next + k * per_k + 16);
         }
         for (int i = 0; i < MT; i++) {
             const float xv = x[i * K + k];
@@ -70,15 +74,21 @@ void tile(const float* x, int64_t K, const float* panel, const float* bias, floa
     }
 }
 
-// M rows (at most ROW_CHUNK) against one full panel, in tiles of MR rows and one of the rest.
+// M rows (at most ROW_CHUNK) against one full panel, in tiles of MR rows and one of the rest;
+// each tile prefetches its share of the `next` panel (null: none).
 void full_panel(const float* x, int64_t M, int64_t K, const float* panel, const float* bias, float* y, int64_t N,
                 const float* next) {
-    using Tile = void (*)(const float*, int64_t, const float*, const float*, float*, int64_t, const float*);
+    using Tile = void (*)(const float*, int64_t, const float*, const float*, float*, int64_t, const float*,
+                          int64_t, int64_t);
     static constexpr Tile tiles[MR + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>,
                                            tile<7>, tile<8>, tile<9>, tile<10>, tile<11>, tile<12>};
-    for (int64_t m = 0; m < M; m += MR) {
+    const int64_t ntiles = (M + MR - 1) / MR, size = K * NR;
+    const int64_t share = (size / ntiles + 15) / 16 * 16;  // whole cache lines
+    const int64_t per_k = share > K * 16 ? 32 : 16;
+    for (int64_t m = 0, t = 0; m < M; m += MR, t++) {
         const int rows = int(M - m < MR ? M - m : MR);
-        tiles[rows](x + m * K, K, panel, bias, y + m * N, N, m == 0 ? next : nullptr);
+        const int64_t from = std::min(t * share, size), to = std::min(from + share, size);
+        tiles[rows](x + m * K, K, panel, bias, y + m * N, N, next ? next + from : panel, next ? to - from : 0, per_k);
     }
 }
 
