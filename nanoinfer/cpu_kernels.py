@@ -7,8 +7,8 @@ C++ compiler and called through ctypes.
 - `linear_packed_f32` (csrc/packed_gemm.cpp): fp32 y = x w^T from a weight reordered once
   at load (`pack_f32`); at decode batch sizes MKL's sgemm spends more time repacking the
   weight on every call than computing.
-- `rms_norm_f32`, `rope_f32`, `silu_mul_f32` (csrc/layer_ops.cpp): a decoder layer's small
-  fp32 ops in one pass each; nanoinfer/layer_ops.py calls them.
+- `rms_norm_*`, `rope_*`, `silu_mul_*` (csrc/layer_ops.cpp): a decoder layer's small ops in
+  one pass each, fp32 and bf16; nanoinfer/layer_ops.py calls them.
 
 They need no torch headers, so they build in about a second on first use, into
 ~/.cache/nanoinfer/kernels. Without a compiler (or with NANOINFER_CPU_KERNELS=0) the
@@ -32,10 +32,11 @@ from .user_cache import user_cache_dir
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("paged_attention.cpp", "packed_gemm.cpp", "layer_ops.cpp")]
-HEADERS = [CSRC / "vec_math.h"]
+HEADERS = [CSRC / "common.h"]
 # -ffast-math lets the dot products and sums vectorise; infinities stay (the softmax max starts at -inf).
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++17", "-shared", "-fPIC"]
 DECODE_ENTRY_POINTS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+LAYER_OP_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # csrc/layer_ops.cpp: rms_norm_f32, ...
 
 
 def enabled() -> bool:
@@ -105,12 +106,12 @@ def library() -> ctypes.CDLL | None:
         getattr(lib, name).restype = ctypes.c_int
     lib.linear_packed_f32.argtypes = [p, p, p, p, i, i, i]
     lib.linear_packed_f32.restype = None
-    f = ctypes.c_float
-    lib.rms_norm_f32.argtypes = [p, p, p, p, i, i, f]
-    lib.rope_f32.argtypes = [p, i, p, p, p, i, i, i]
-    lib.silu_mul_f32.argtypes = [p, p, i, i]
-    for name in ("rms_norm_f32", "rope_f32", "silu_mul_f32"):
-        getattr(lib, name).restype = None
+    for suffix in LAYER_OP_SUFFIXES.values():
+        getattr(lib, f"rms_norm_{suffix}").argtypes = [p, p, p, p, i, i, ctypes.c_float]
+        getattr(lib, f"rope_{suffix}").argtypes = [p, i, p, p, p, i, i, i]
+        getattr(lib, f"silu_mul_{suffix}").argtypes = [p, p, i, i]
+        for op in ("rms_norm", "rope", "silu_mul"):
+            getattr(lib, f"{op}_{suffix}").restype = None
     return lib
 
 

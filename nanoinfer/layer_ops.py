@@ -2,9 +2,10 @@
 embedding, SwiGLU's silu(gate) * up.
 
 Each function is written once in PyTorch, the formula as Hugging Face computes it, and
-for fp32 on the CPU runs as one compiled pass instead (csrc/layer_ops.cpp): at decode a
-layer is ~40 small ops whose dispatch costs more than their arithmetic, and at prefill
-each op is another pass over memory. Tests hold the two forms to each other.
+for fp32 and bf16 on the CPU runs as one compiled pass instead (csrc/layer_ops.cpp, which
+rounds bf16 where torch does): at decode a layer is ~40 small ops whose dispatch costs
+more than their arithmetic, and at prefill each op is another pass over memory. Tests
+hold the two forms to each other.
 """
 from __future__ import annotations
 
@@ -15,7 +16,13 @@ from . import cpu_kernels
 
 
 def _compiled(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and cpu_kernels.library() is not None
+    dtype = tensors[0].dtype
+    return (dtype in cpu_kernels.LAYER_OP_SUFFIXES and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
+            and cpu_kernels.library() is not None)
+
+
+def _kernel(op: str, dtype: torch.dtype):
+    return getattr(cpu_kernels.library(), f"{op}_{cpu_kernels.LAYER_OP_SUFFIXES[dtype]}")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
@@ -25,14 +32,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
 
     Normalises in fp32 whatever the dtype, as the reference does. The compiled form
     updates `residual` in place: callers own the stream."""
-    if _compiled(x, *(t for t in (weight, residual) if t is not None)):
+    given = [t for t in (weight, residual) if t is not None]
+    if _compiled(x, *given) and (residual is None or residual.is_contiguous()):
         stream = residual if residual is not None else x.contiguous()
         add = x.contiguous() if residual is not None else None
-        assert stream.is_contiguous()
         out = torch.empty_like(stream)
-        cpu_kernels.library().rms_norm_f32(stream.data_ptr(), add.data_ptr() if add is not None else None,
-                                           weight.data_ptr() if weight is not None else None, out.data_ptr(),
-                                           stream.numel() // stream.shape[-1], stream.shape[-1], eps)
+        _kernel("rms_norm", x.dtype)(stream.data_ptr(), add.data_ptr() if add is not None else None,
+                                     weight.data_ptr() if weight is not None else None, out.data_ptr(),
+                                     stream.numel() // stream.shape[-1], stream.shape[-1], eps)
         return out, stream
     stream = x if residual is None else residual + x
     normed = F.rms_norm(stream.float(), stream.shape[-1:], eps=eps).to(x.dtype)
@@ -46,10 +53,9 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     [T, 1, head_dim // 2]. Returns a new contiguous tensor."""
     T, heads, D = x.shape
     if _compiled(x, cos, sin) and x.stride(2) == 1 and x.stride(1) == D:
-        out = torch.empty(T, heads, D)
+        out = x.new_empty(T, heads, D)
         cos, sin = cos.contiguous(), sin.contiguous()
-        cpu_kernels.library().rope_f32(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
-                                       T, heads, D)
+        _kernel("rope", x.dtype)(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), T, heads, D)
         return out
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
@@ -61,8 +67,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate_up = gate_up.contiguous()
         inter = gate_up.shape[-1] // 2
         out = gate_up.new_empty(*gate_up.shape[:-1], inter)
-        cpu_kernels.library().silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // gate_up.shape[-1],
-                                           inter)
+        _kernel("silu_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter)
         return out
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -19,30 +19,12 @@
 #include <cstring>
 #include <algorithm>
 
-#include "vec_math.h"
+#include "common.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 namespace {
-
-struct BF16 { uint16_t bits; };
-
-inline float load(const float* p, int64_t i) { return p[i]; }
-inline float load(const BF16* p, int64_t i) {
-    uint32_t u = uint32_t(p[i].bits) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-inline void store(float* p, int64_t i, float x) { p[i] = x; }
-inline void store(BF16* p, int64_t i, float x) {  // round to nearest even, as torch does
-    uint32_t u;
-    std::memcpy(&u, &x, 4);
-    if ((u & 0x7fffffff) > 0x7f800000) { p[i].bits = uint16_t((u >> 16) | 0x40); return; }  // NaN
-    u += 0x7fff + ((u >> 16) & 1);
-    p[i].bits = uint16_t(u >> 16);
-}
 
 // The first token of [t, n) and how many follow it in the same block.
 struct Run { int64_t slot, count; };
