@@ -150,8 +150,9 @@ def pack_f32(weight: torch.Tensor) -> torch.Tensor:
     N, K = weight.shape
     full = N // PANEL * PANEL
     body = weight[:full].reshape(-1, PANEL, K).transpose(1, 2).reshape(-1)
-    tail = weight[full:].t().reshape(-1)
-    return torch.cat([body, tail]).reshape(N, K)
+    if full == N:
+        return body.reshape(N, K)
+    return torch.cat([body, weight[full:].t().reshape(-1)]).reshape(N, K)
 
 
 def unpack_f32(packed: torch.Tensor) -> torch.Tensor:

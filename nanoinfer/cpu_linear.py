@@ -87,14 +87,17 @@ def _replacement(linear: nn.Linear, tied: bool) -> nn.Module | None:
 
 def adapt_linears(model: nn.Module) -> int:
     """Swap `model`'s CPU nn.Linear layers for the faster forms above where they apply;
-    returns how many were swapped."""
+    returns how many were swapped. One at a time, holding no reference to the old layers,
+    so each old weight is freed as soon as its packed copy exists."""
     shared = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    places = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
+              if isinstance(child, nn.Linear)]
     swapped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                new = _replacement(child, tied=id(child.weight) in shared)
-                if new is not None:
-                    setattr(parent, name, new)
-                    swapped += 1
+    for parent, name in places:
+        linear = getattr(parent, name)
+        new = _replacement(linear, tied=id(linear.weight) in shared)
+        if new is not None:
+            setattr(parent, name, new)
+            swapped += 1
+        del linear
     return swapped

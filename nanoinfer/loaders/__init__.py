@@ -112,13 +112,16 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float3
 def build_module(cls, config: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device,
                  where: str) -> nn.Module:
     """Build on the meta device and take the loaders' tensors as they are (already in the
-    serving dtype: no copy, no second cast), then make the fp32 rotary tables on `device`."""
+    serving dtype: no copy, no second cast), then make the fp32 rotary tables on `device`.
+    Empties `state`: tensors the model did not keep as they are (fused projections copy
+    theirs) are freed before the linears are packed, which copies them once more."""
     with torch.device("meta"):
         model = cls(config)
     try:
         model.load_weights(state)
     except (ValueError, RuntimeError) as e:
         raise ModelLoadError(f"{where}: {' '.join(str(e).split())}") from None
+    state.clear()
     model.reset_rope()  # the meta-device tables become real tensors
     model = model.to(device).eval()
     adapt_linears(model)  # CPU: bf16 weights packed for oneDNN, fp32 decode batches to the compiled GEMM
