@@ -52,11 +52,11 @@ void rope(const T* x, int64_t stride, const T* cos, const T* sin, T* out, int64_
     const int64_t half = D / 2;
 #pragma omp parallel for if (rows * heads * D >= kParallelValues)
     for (int64_t t = 0; t < rows; t++) {
-        const T* c = cos + t * half;
-        const T* s = sin + t * half;
+        const T* __restrict c = cos + t * half;
+        const T* __restrict s = sin + t * half;
         for (int64_t h = 0; h < heads; h++) {
-            const T* a = x + t * stride + h * D;
-            T* o = out + (t * heads + h) * D;
+            const T* __restrict a = x + t * stride + h * D;
+            T* __restrict o = out + (t * heads + h) * D;
             for (int64_t i = 0; i < half; i++) {
                 const float x1 = load(a, i), x2 = load(a, i + half), ci = load(c, i), si = load(s, i);
                 store(o, i, round_as(x1 * ci, o) - round_as(x2 * si, o));
