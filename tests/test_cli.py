@@ -84,8 +84,9 @@ def test_chat_repl_drops_old_turns_and_clears(model_dir):
     assert out.count("> ") >= 4
 
 
-def test_chat_ctrl_c_stops_the_reply_not_the_session(model_dir):
-    p = _chat_proc(model_dir, "-n", "100000", "--ignore-eos", "--max-model-len", "256")
+def test_chat_ctrl_c_stops_the_reply_not_the_session(long_reply_model):
+    # a reply of a minute or more: Ctrl-C lands mid-reply however fast the engine is
+    p = _chat_proc(str(long_reply_model), "-n", "60000", "--ignore-eos")
     p.stdin.write("Tell me everything\n")
     p.stdin.flush()
     deadline = time.time() + 60

@@ -36,6 +36,19 @@ def server(model_path):
         yield url
 
 
+LONG_REPLY = 60000  # tokens: a minute or more of generation
+
+
+@pytest.fixture(scope="module")
+def long_reply_server(long_reply_model):
+    """A server whose replies run for a minute unless the client goes away, so the
+    disconnect tests do not race the engine however fast it gets."""
+    args = ["--model", str(long_reply_model), "--max-n", str(MAX_N), "--max-tokens-limit", str(LONG_REPLY),
+            "--kv-cache-memory", "160M", "--log-level", "warning"]
+    with run_server(args) as url:
+        yield url
+
+
 @pytest.fixture(scope="module")
 def offline(model_path):
     return LLM(model_path, kv_cache_memory=64 << 20)
@@ -290,10 +303,11 @@ def test_32_concurrent_streams_while_health_answers(server, model, offline):
     assert wait_idle(server)["nanoinfer_kv_cache_blocks_used"] == 0
 
 
-def test_streaming_disconnect_frees_kv_blocks(server, model):
+def test_streaming_disconnect_frees_kv_blocks(long_reply_server):
+    server = long_reply_server
     before = metrics(server)["nanoinfer_request_success_total{finish_reason=abort}"]
-    body = {"model": model, "prompt": "Tell me a long story", "max_tokens": MAX_TOKENS, "temperature": 0,
-            "stream": True, "ignore_eos": True}
+    body = {"prompt": "Tell me a long story", "max_tokens": LONG_REPLY, "temperature": 0, "stream": True,
+            "ignore_eos": True}
     clients = [httpx.Client(timeout=30) for _ in range(4)]
     streams = []
     for c in clients:  # four at once, each closed after a few chunks
@@ -312,10 +326,11 @@ def test_streaming_disconnect_frees_kv_blocks(server, model):
     assert m["nanoinfer_request_success_total{finish_reason=abort}"] == before + 4
 
 
-def test_non_streaming_disconnect_aborts(server, model):
+def test_non_streaming_disconnect_aborts(long_reply_server):
+    server = long_reply_server
     before = metrics(server)["nanoinfer_request_success_total{finish_reason=abort}"]
-    body = {"model": model, "prompt": "Tell me a long story", "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "n": MAX_N}
+    body = {"prompt": "Tell me a long story", "max_tokens": LONG_REPLY, "temperature": 0, "ignore_eos": True,
+            "n": MAX_N}
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
         httpx.post(f"{server}/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.15))
     m = wait_idle(server)
