@@ -168,6 +168,8 @@ def unpack_f32(packed: torch.Tensor) -> torch.Tensor:
 def linear_packed_f32(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear(x, w, bias) for a 2-D fp32 x on the CPU, w given as pack_f32(w)."""
     x = x.contiguous()
+    if not x.device.type == packed.device.type == "cpu":
+        raise RuntimeError("weights packed for the CPU GEMM cannot run on another device: load the model there")
     assert x.dtype == packed.dtype == torch.float32 and x.dim() == 2 and packed.is_contiguous()
     assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
     M, K = x.shape
