@@ -79,7 +79,7 @@ def test_weight_bytes_follow_the_served_dtype():
 def test_kv_bytes_per_token_and_read_with_and_without_window():
     c = tiny_config()
     # layers 2 x (K and V) 2 x kv heads 2 x head_dim 4 x 4 bytes
-    assert rl.kv_bytes_per_token(c, 4) == 2 * 2 * 2 * 4 * 4 == 128
+    assert c.kv_bytes_per_token(4) == 2 * 2 * 2 * 4 * 4 == 128
     per_key = 2 * 2 * 4 * 4  # one layer, one key: K and V, fp32 = 64 bytes
     assert rl.kv_bytes_read(c, 10, 4) == 2 * per_key * 10 == 1280
     assert rl.kv_bytes_read(tiny_config(sliding_window=4), 10, 4) == 2 * per_key * 4 == 512

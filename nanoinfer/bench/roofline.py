@@ -96,10 +96,6 @@ def lm_head_params(config: ModelConfig) -> int:
     return config.hidden_size * int(config.extra.get("padded_vocab", config.vocab_size))
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
-    return config.kv_bytes_per_token(dtype_bytes)
-
-
 def _keys_seen(context: int, window: int | None) -> int:
     return context if window is None else min(context, window)
 
@@ -156,7 +152,7 @@ class Roofline:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.config, self.kv_dtype_bytes)
+        return self.config.kv_bytes_per_token(self.kv_dtype_bytes)
 
     def fixed_step_bytes(self) -> int:
         """Read once per decode step whatever the batch: the body and the LM head."""

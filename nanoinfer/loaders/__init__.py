@@ -124,6 +124,6 @@ def build_module(cls, config: ModelConfig, state: dict[str, torch.Tensor], devic
     state.clear()
     model.reset_rope()  # the meta-device tables become real tensors
     model = model.to(device).eval()
-    adapt_linears(model)  # CPU: bf16 weights packed for oneDNN, fp32 decode batches to the compiled GEMM
+    adapt_linears(model)  # CPU: weights packed once (bf16 for oneDNN, fp32 for the compiled GEMM)
     return model
 
