@@ -1,9 +1,14 @@
 """The code sandbox: results, limits, and that nothing it starts outlives it or writes outside."""
 from __future__ import annotations
 
+import glob
+import json
 import os
 import shutil
 import socket
+import subprocess
+import sys
+import tempfile
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -205,3 +210,143 @@ def test_uid_switch_makes_file_permissions_a_real_wall(monkeypatch):
         pytest.skip("the system python's files are not world-readable here: no uid switch")
     assert r.stdout == "65534\n"
     assert "PermissionError" in r.error and not os.path.exists(target)  # refused by the kernel
+
+
+# The program finds processes outside its PID namespace through /proc (its PPid: the relay; the
+# relay's PPid: the caller) and tries to take them over through /proc/<pid>/mem. Harmless even if
+# it works: it writes into the relay's code only the bytes that are already there, and never
+# writes into the caller.
+ATTACK_OUTSIDE = r'''
+import _io, json, os
+def status(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return dict(line.split(":", 1) for line in f if ":" in line)
+def parent(pid):
+    try:
+        return int(status(pid)["PPid"])
+    except (OSError, KeyError, ValueError):
+        return 0
+depth = len(status("self")["NSpid"].split())
+outside = []  # visible pids of a PID namespace above ours (fewer NSpid levels)
+for name in os.listdir("/proc"):
+    try:
+        if name.isdigit() and len(status(name)["NSpid"].split()) < depth:
+            outside.append(int(name))
+    except (OSError, KeyError):
+        pass
+targets, pid = [], parent("self")  # 0 when /proc shows only our own namespace
+while pid > 1 and len(targets) < 2:
+    targets.append(pid)
+    pid = parent(pid)
+report = {"outside_visible": len(outside), "targets": targets, "got": {}}
+def attempt(what, pid, action):
+    try:
+        report["got"][f"{what} {pid}"] = action()
+    except OSError as e:
+        report.setdefault("refused", {})[f"{what} {pid}"] = type(e).__name__
+def code_start(pid):
+    with open(f"/proc/{pid}/maps") as f:
+        return next(int(line.split("-")[0], 16) for line in f if line.split()[1] == "r-xp")
+def read_mem(pid):
+    with _io.FileIO(f"/proc/{pid}/mem", "r") as mem:
+        mem.seek(code_start(pid))
+        return mem.read(16).hex()
+def write_mem(pid):  # _io.FileIO: below the Python-level guard, as any determined program would go
+    with _io.FileIO(f"/proc/{pid}/mem", "r+") as mem:
+        if pid != targets[0]:
+            return "opened for writing"
+        mem.seek(start := code_start(pid))
+        data = mem.read(16)
+        mem.seek(start)
+        return f"wrote {mem.write(data)} bytes into its code"
+def read_environ(pid):
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return f.read().decode(errors="replace")
+for pid in targets:
+    attempt("environ", pid, lambda: read_environ(pid))
+    attempt("read mem", pid, lambda: read_mem(pid))
+    attempt("write mem", pid, lambda: write_mem(pid))
+print(json.dumps(report))
+'''
+
+
+def run_attack() -> dict:
+    r = execute_code(ATTACK_OUTSIDE, timeout=10)
+    assert r.success, r.stderr  # the sandbox itself returns normally
+    return json.loads(r.stdout)
+
+
+def test_program_cannot_write_into_processes_outside_its_pid_namespace():
+    report = run_attack()
+    assert not [k for k in report["got"] if k.startswith("write mem")], report
+    assert os.getpid() > 0 and execute_code("print('still here')").stdout == "still here\n"  # caller alive
+
+
+def test_program_cannot_read_memory_or_environment_of_the_relay():
+    report = run_attack()
+    assert report["got"] == {}, report
+
+
+# Run as the caller's uid without capabilities: what a sandboxed program that could see the relay
+# (and the program's own process) through some /proc would be. Both must refuse it: non-dumpable.
+PROBE_MEM = r'''
+import ctypes, sys
+class Header(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+libc = ctypes.CDLL(None, use_errno=True)
+assert libc.capset(ctypes.byref(Header(0x20080522, 0)), (ctypes.c_uint32 * 6)()) == 0
+for pid in sys.argv[1:]:
+    try:
+        open(f"/proc/{pid}/mem", "rb").close()
+        print(pid, "opened")
+    except OSError as e:
+        print(pid, type(e).__name__)
+'''
+
+
+def sandbox_root(token: str) -> str | None:
+    """The temporary directory of the running sandbox whose code contains `token`."""
+    for program in glob.glob(os.path.join(tempfile.gettempdir(), "nanoinfer-sandbox-*", "program.py")):
+        try:
+            with open(program, errors="replace") as f:
+                if token in f.read():
+                    return os.path.dirname(program)
+        except OSError:  # another sandbox, just removed
+            pass
+    return None
+
+
+def sandbox_processes(root: str) -> list[int]:
+    """Host pids of the relay and the program: the guard's config in their cmdline names `root`."""
+    found = []
+    for pid in os.listdir("/proc"):  # cmdline stays readable when the process is not dumpable; cwd not
+        try:
+            if pid.isdigit() and root.encode() in open(f"/proc/{pid}/cmdline", "rb").read():
+                found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def test_relay_and_program_are_not_dumpable():
+    token = uuid.uuid4().hex
+    code = f"# {token}\nimport os, time\nwhile not os.path.exists('go'):\n    time.sleep(0.02)\n"
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(execute_code, code, 10)
+        deadline, root, pids = time.monotonic() + 5, None, []
+        while len(pids) < 2 and time.monotonic() < deadline and not future.done():
+            time.sleep(0.05)
+            root = root or sandbox_root(token)
+            pids = sandbox_processes(root) if root else []
+        try:
+            probe = subprocess.run([sys.executable, "-c", PROBE_MEM, *map(str, pids)],
+                                   capture_output=True, text=True, timeout=30)
+        finally:
+            if root:
+                open(os.path.join(root, "work", "go"), "w").close()
+        r = future.result()
+    assert r.success, r.stderr
+    if not r.pid_isolated:
+        pytest.skip("no PID namespace here: there is no relay")
+    assert len(pids) == 2 and probe.returncode == 0, (pids, probe.stderr)
+    assert probe.stdout.split() == [w for pid in pids for w in (str(pid), "PermissionError")], probe.stdout

@@ -12,6 +12,13 @@ What `execute_code` does, in order:
      loopback up: every connection fails) and a new PID namespace (the program is its pid 1; when
      it exits, the kernel kills everything it started, even processes that left the process
      group). Tried as `unshare(NET|PID)`, then `unshare(NET)`, then inside a new user namespace.
+     With a PID namespace the guard forks: it stays outside as the relay (waits, passes the exit
+     status on, drops its capabilities) and the child runs steps 2-5 and the program. Both are
+     made non-dumpable (PR_SET_DUMPABLE 0) before the fork, so /proc/<pid>/mem, environ, maps
+     and ptrace need CAP_SYS_PTRACE, which nothing in the sandbox has: else the program, same
+     uid as the relay, could write code into it and act in the host PID namespace (kill the
+     caller). The child then enters a private mount namespace with a fresh /proc of its PID
+     namespace (mount propagation off): no outside process is even visible.
   2. When the caller is root and every sys.path entry is world-readable (so imports still work),
      it hands `work/` to uid/gid 65534 (nobody) and switches to it: then file permissions and
      RLIMIT_NPROC apply for real. Otherwise the program keeps the caller's uid.
@@ -34,7 +41,8 @@ What `execute_code` does, in order:
   stderr line, e.g. "ZeroDivisionError: division by zero", or "timeout", "memory exceeded (...)",
   "exit code N", "killed by SIGSEGV"), `timeout` (wall clock or CPU limit), `memory_exceeded`
   (MemoryError, or an unexplained SIGKILL), and which walls were up: `network_isolated`,
-  `pid_isolated`, `unprivileged` (non-root uid and no capabilities).
+  `pid_isolated`, `proc_isolated` (private /proc), `unprivileged` (non-root uid and no
+  capabilities).
 
 What it does NOT protect against:
 
@@ -44,10 +52,17 @@ What it does NOT protect against:
 * Without the uid switch (step 2; e.g. the interpreter lives under /root) the program runs as the
   caller: it can read whatever the caller can, and through ctypes write it too (as root without
   capabilities that still includes root-owned files), and for root RLIMIT_NPROC is not enforced,
-  so a ctypes fork bomb is bounded only by the timeout. There is no mount namespace, chroot,
-  seccomp filter or cgroup.
+  so a ctypes fork bomb is bounded only by the timeout. The mount namespace only replaces /proc:
+  there is no chroot, seccomp filter or cgroup.
 * If the kernel refuses namespaces, the network is open (`network_isolated=False`), and a process
   that leaves both the process group and the working directory (via ctypes) can outlive the call.
+  Without a PID namespace the program (via ctypes) can also signal every process of its uid, the
+  caller included, and read and write the memory (/proc/<pid>/mem) of those that are dumpable and
+  hold no capabilities: a non-root caller is one.
+* Without a private /proc (`proc_isolated=False`: the mount was refused) the program sees every
+  host process's pid, command line and status; outside a user namespace (a root caller) it can
+  also take over, through /proc/<pid>/mem, any dumpable process of its uid without capabilities
+  (e.g. a daemon running as nobody). The relay and the program themselves are non-dumpable.
 * Filesystem Unix sockets (e.g. a Docker socket) are reachable even in a new network namespace.
 * Disk use: RLIMIT_FSIZE bounds each file, not the number of files.
 * Output still in the program's own stdout buffer is lost when it is killed at the timeout.
@@ -85,6 +100,7 @@ class ExecutionResult:
     memory_exceeded: bool = False
     network_isolated: bool = False  # the program ran in its own network namespace
     pid_isolated: bool = False  # ... and its own PID namespace (all its processes die with it)
+    proc_isolated: bool = False  # ... whose /proc shows no process outside that namespace
     unprivileged: bool = False  # ... as a non-root uid without capabilities
 
     def to_dict(self) -> dict:
@@ -99,10 +115,10 @@ cfg = json.loads(sys.argv[1])
 with open(cfg["program"], "rb") as f:
     source = f.read()
 libc = ctypes.CDLL(None, use_errno=True)
-status = {"network": False, "pid": False, "unprivileged": False}
+status = {"network": False, "pid": False, "proc": False, "unprivileged": False}
 
 # 1. namespaces
-NEWUSER, NEWPID, NEWNET = 0x10000000, 0x20000000, 0x40000000
+NEWNS, NEWUSER, NEWPID, NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
 uid, gid = os.getuid(), os.getgid()
 if libc.unshare(NEWNET | NEWPID) == 0:
     status.update(network=True, pid=True)
@@ -117,6 +133,61 @@ elif libc.unshare(NEWUSER | NEWNET | NEWPID) == 0:
         except OSError:
             pass
     status.update(network=True, pid=True)
+
+# RLIMIT_NPROC (step 3) counts the uid's tasks host-wide: count them while /proc still shows them all
+def tasks_by_uid():
+    counts = {}
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            owner = int(fields["Uid"].split()[0])
+            counts[owner] = counts.get(owner, 0) + int(fields["Threads"])
+        except (OSError, KeyError, ValueError):
+            pass
+    return counts
+
+class CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+class CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+def drop_capabilities():
+    ok = libc.capset(ctypes.byref(CapHeader(0x20080522, 0)), (CapData * 2)()) == 0
+    libc.prctl(38, *map(ctypes.c_ulong, (1, 0, 0, 0)))  # PR_SET_NO_NEW_PRIVS
+    return ok
+
+tasks = tasks_by_uid()
+if status["pid"]:
+    # The relay (this process, outside the new PID namespace, same uid as the program) must be out
+    # of the program's reach: /proc/<relay>/mem would let it run code in the host namespace and kill
+    # anything of that uid, the caller included. Non-dumpable, /proc/<pid>/mem, environ, maps... and
+    # ptrace need CAP_SYS_PTRACE, which no process in the sandbox has. Set before the fork, so the
+    # program never runs next to a dumpable relay; it inherits the flag (other sandboxes' programs
+    # cannot reach it either).
+    libc.prctl(4, *map(ctypes.c_ulong, (0, 0, 0, 0)))  # PR_SET_DUMPABLE 0
+    # The first child is pid 1 of the new namespace; this process stays outside and relays its end.
+    child = os.fork()
+    if child:
+        os.close(cfg["status_fd"])
+        drop_capabilities()  # it only waits; if it were ever reached, it could do no more than the program
+        _, wstatus, usage = os.wait4(child, 0)
+        if os.WIFSIGNALED(wstatus):
+            sig = os.WTERMSIG(wstatus)
+            # pid 1 ignores SIGXCPU, so the CPU limit shows as the hard limit's SIGKILL: say which
+            if sig == signal.SIGKILL and usage.ru_utime + usage.ru_stime >= cfg["cpu_seconds"]:
+                sig = signal.SIGXCPU
+            if sig != signal.SIGKILL:
+                signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)
+            os._exit(128 + sig)
+        os._exit(os.waitstatus_to_exitcode(wstatus))
+    # A /proc of our own namespace (in a private mount namespace) hides every outside process:
+    # no pid, cmdline or status of the relay, the caller or anything else on the host.
+    MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x8, 0x4000, 0x40000
+    def mount(source, target, fstype, flags):
+        return libc.mount(source, target, fstype, ctypes.c_ulong(flags), None) == 0
+    status["proc"] = (libc.unshare(NEWNS) == 0 and mount(None, b"/", None, MS_REC | MS_PRIVATE)  # no propagation out
+                      and mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC))
 
 # 2. leave root, but only if the interpreter can still import its modules afterwards
 def world_readable(path):
@@ -153,18 +224,6 @@ def limit(res, soft, hard=None):
     except (ValueError, OSError):
         pass
 
-def tasks_of(uid):
-    n = 0
-    for pid in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
-            if int(fields["Uid"].split()[0]) == uid:
-                n += int(fields["Threads"])
-        except (OSError, KeyError, ValueError):
-            pass
-    return n
-
 if cfg["memory"]:
     limit(resource.RLIMIT_AS, cfg["memory"])
     limit(resource.RLIMIT_DATA, cfg["memory"])
@@ -174,35 +233,15 @@ limit(resource.RLIMIT_FSIZE, 10 * 1024 * 1024)
 limit(resource.RLIMIT_NOFILE, 256)
 limit(resource.RLIMIT_CORE, 0)
 if os.getuid() != 0:  # the kernel ignores RLIMIT_NPROC for root; for others it counts all their tasks
-    limit(resource.RLIMIT_NPROC, tasks_of(os.getuid()) + 32)
+    limit(resource.RLIMIT_NPROC, tasks.get(os.getuid(), 0) + 32)
 
 # 4. no capabilities, and no way to gain any through exec
-class CapHeader(ctypes.Structure):
-    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-class CapData(ctypes.Structure):
-    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
-no_caps = libc.capset(ctypes.byref(CapHeader(0x20080522, 0)), (CapData * 2)()) == 0
-libc.prctl(38, *map(ctypes.c_ulong, (1, 0, 0, 0)))  # PR_SET_NO_NEW_PRIVS
+no_caps = drop_capabilities()
 status["unprivileged"] = no_caps and os.geteuid() != 0
+if status["pid"]:  # after the uid switch, which clears it: die with the relay even outside its group
+    libc.prctl(1, *map(ctypes.c_ulong, (signal.SIGKILL, 0, 0, 0)))  # PR_SET_PDEATHSIG
 os.write(cfg["status_fd"], json.dumps(status).encode())
 os.close(cfg["status_fd"])
-
-if status["pid"]:
-    # The first child is pid 1 of the new namespace; this process stays outside and relays its end.
-    child = os.fork()
-    if child:
-        _, wstatus, usage = os.wait4(child, 0)
-        if os.WIFSIGNALED(wstatus):
-            sig = os.WTERMSIG(wstatus)
-            # pid 1 ignores SIGXCPU, so the CPU limit shows as the hard limit's SIGKILL: say which
-            if sig == signal.SIGKILL and usage.ru_utime + usage.ru_stime >= cfg["cpu_seconds"]:
-                sig = signal.SIGXCPU
-            if sig != signal.SIGKILL:
-                signal.signal(sig, signal.SIG_DFL)
-            os.kill(os.getpid(), sig)
-            os._exit(128 + sig)
-        os._exit(os.waitstatus_to_exitcode(wstatus))
-    libc.prctl(1, *map(ctypes.c_ulong, (signal.SIGKILL, 0, 0, 0)))  # PR_SET_PDEATHSIG: die with the relay even outside its group
 
 # 5. second line of defence: Python-level guards
 import builtins, errno, functools, io, _io, posix, shutil, subprocess, types
@@ -439,7 +478,7 @@ def _cwd_in(proc_dir: str, directory: str) -> bool:
 
 
 def _walls(status: _Capture) -> dict:
-    """What the guard reported: {"network": bool, "pid": bool, "unprivileged": bool}, or {}."""
+    """What the guard reported: {"network": bool, "pid": bool, "proc": bool, "unprivileged": bool}, or {}."""
     try:
         return json.loads(status.head.decode())
     except ValueError:  # the guard died before reporting (or has not reported yet)
@@ -471,4 +510,4 @@ def _result(returncode: int, out: _Capture, err: _Capture, status: _Capture, tim
         success=returncode == 0 and not timed_out, stdout=out.text(), stderr=err.text(), error=error,
         timeout=timed_out or cpu, memory_exceeded=memory,
         network_isolated=bool(walls.get("network")), pid_isolated=bool(walls.get("pid")),
-        unprivileged=bool(walls.get("unprivileged")))
+        proc_isolated=bool(walls.get("proc")), unprivileged=bool(walls.get("unprivileged")))
