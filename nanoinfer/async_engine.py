@@ -73,6 +73,8 @@ class AsyncEngine:
                     continue
                 for d in deltas:
                     self._send(d.request_id, d)
+                for rid, error in self.engine.take_failures().items():  # ended alone; the rest go on
+                    self._close(rid, error)
                 # Close a request only after all of this step's deltas went out: the n samples
                 # of one request often finish in the same step, and closing at the first one
                 # would drop the others' last deltas and then look up a released request.
@@ -109,14 +111,15 @@ class AsyncEngine:
             except RuntimeError:  # the event loop is closed: nobody is listening
                 pass
 
-    def _close(self, rid: str) -> None:
+    def _close(self, rid: str, error: Exception | None = None) -> None:
+        """Release the request and end its stream: with its final output, or with the error that ended it."""
         out = self.engine.release(rid)
         if self.on_finished is not None:
             try:
                 self.on_finished(out)
             except Exception:  # a metrics bug must not stop the engine
                 pass
-        self._send(rid, out)
+        self._send(rid, out if error is None else error)
         self._send(rid, _FINISHED)
         self.sinks.pop(rid, None)
 

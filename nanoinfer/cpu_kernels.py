@@ -34,7 +34,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("paged_attention.cpp", "packed_gemm.cpp", "layer_ops.cpp")]
 HEADERS = [CSRC / "common.h"]
 # -ffast-math lets the dot products and sums vectorise; infinities stay (the softmax max starts at -inf).
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++17", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++17", "-fPIC"]
 DECODE_ENTRY_POINTS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 LAYER_OP_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # csrc/layer_ops.cpp: rms_norm_f32, ...
 
@@ -56,18 +56,28 @@ def _cpu_id() -> str:
 
 def _compile(compiler: str, out: Path) -> str | None:
     """Build to a temporary name and rename (another process may build the same file at
-    once). OpenMP when the compiler has it, else one thread. Returns an error or None."""
+    once). OpenMP when the compiler has it, else one thread. Returns an error or None.
+
+    Compiled with -ffast-math, linked without it: a shared object linked with -ffast-math
+    carries crtfastmath, which sets flush-to-zero for the whole process when loaded, and
+    then Python itself reads 1e-310 as 0.0 and torch flushes every subnormal."""
     err = ""
-    for extra in (["-fopenmp"], []):
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-        os.close(fd)
-        proc = subprocess.run([compiler, *FLAGS, *extra, *map(str, SOURCES), "-o", tmp], capture_output=True,
-                              text=True)
-        if proc.returncode == 0:
-            os.replace(tmp, out)
-            return None
-        os.unlink(tmp)
-        err = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
+    with tempfile.TemporaryDirectory(dir=out.parent) as build:
+        for extra in (["-fopenmp"], []):
+            objects = [str(Path(build) / f"{src.stem}.o") for src in SOURCES]
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+            os.close(fd)
+            steps = [[compiler, *FLAGS, *extra, "-c", str(src), "-o", obj] for src, obj in zip(SOURCES, objects)]
+            steps.append([compiler, "-shared", *extra, *objects, "-o", tmp])
+            for cmd in steps:
+                proc = subprocess.run(cmd, capture_output=True, text=True)
+                if proc.returncode != 0:
+                    err = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
+                    break
+            else:
+                os.replace(tmp, out)
+                return None
+            os.unlink(tmp)
     return err
 
 
@@ -83,7 +93,7 @@ def library() -> ctypes.CDLL | None:
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
         text = [src.read_text() for src in SOURCES + HEADERS]
-        key = hashlib.sha256("\0".join([*text, *FLAGS, compiler, version, _cpu_id()]).encode())
+        key = hashlib.sha256("\0".join([*text, *FLAGS, "link-separately", compiler, version, _cpu_id()]).encode())
         name = f"cpu_kernels-{key.hexdigest()[:16]}.so"
         try:
             path = user_cache_dir() / "kernels" / name

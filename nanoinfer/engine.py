@@ -11,13 +11,14 @@ the same step and its blocks go back to the pool.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
 
-from .errors import InvalidRequestError
+from .errors import InvalidRequestError, RequestFailedError
 from .kv_cache import BlockManager, PagedKVCache
 from .loaders import LoadedModel
 from .runner import ModelRunner
@@ -37,6 +38,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
     enable_tools: bool = True  # run tools (the calculator) when the vocabulary has their marker tokens
+
+
+logger = logging.getLogger("nanoinfer.engine")
 
 
 @dataclass
@@ -67,6 +71,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, mc, self.cache)
         self.tools = bind_tools(self.tokenizer) if config.enable_tools else []
         self.requests: dict[str, list[Sequence]] = {}
+        self.failures: dict[str, RequestFailedError] = {}  # requests ended by an internal error, until taken
         self.last_step: StepStats | None = None
         self.total_steps = 0
         self.total_step_tokens = 0
@@ -85,16 +90,28 @@ class LLMEngine:
         if bad is not None:
             raise InvalidRequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
 
+    def validate_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Everything add_request refuses, checked without adding (so a batch can be checked whole first)."""
+        self.validate_prompt(prompt_ids)
+        vocab = self.model_config.vocab_size
+        params.check_vocabulary(vocab)
+        if params.n > self.config.max_num_seqs:
+            raise InvalidRequestError(f"n={params.n} is over this engine's max_num_seqs={self.config.max_num_seqs}",
+                                      param="n")
+        if params.min_tokens and len(set(self.tokenizer.eos_token_ids) | set(params.stop_token_ids)) >= vocab:
+            raise InvalidRequestError("stop_token_ids with min_tokens leave no token to generate",
+                                      param="stop_token_ids")
+
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     prompt: str | None = None) -> None:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        self.validate_prompt(prompt_ids)
+        self.validate_request(prompt_ids, params)
         banned = sorted(set(self.tokenizer.eos_token_ids) | set(params.stop_token_ids))
         seqs = []
         for i in range(params.n):
             # Samples of one seeded request differ from each other and repeat as a set.
-            row_params = params if params.seed is None or i == 0 else replace(params, seed=params.seed + i)
+            row_params = params if params.seed is None or i == 0 else replace(params, seed=(params.seed + i) % (1 << 64))
             seqs.append(Sequence(
                 request_id, i, prompt, list(prompt_ids), params,
                 RowSampler(row_params, self.model_config.vocab_size, prompt_ids, banned),
@@ -135,8 +152,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        self.cache.copy_blocks(self.blocks.pending_copies)
-        self.blocks.pending_copies.clear()
+        self.cache.copy_blocks(batch.block_copies)
         t0 = time.perf_counter()
         logits, samplers = self.runner.run(batch)
         # Rows sample on the CPU with their own CPU generators: a seed gives the same tokens on
@@ -146,30 +162,42 @@ class LLMEngine:
         self.last_step = StepStats(len(batch), batch.total_tokens, seconds)
         self.total_steps += 1
         self.total_step_tokens += batch.total_tokens
+        self.scheduler.update_after_forward(batch)
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            seq.num_computed += n
             seq.stats.forwards.append(ForwardStat(seq.num_computed, n, seconds))
-            if self.blocks.enable_prefix_caching and seq.num_computed // self.blocks.block_size > len(seq.block_hashes):
-                self.blocks.seal_full_blocks(seq.block_table, seq.all_ids, seq.num_computed, seq.block_hashes)
         # One reduction for every plain greedy row (a per-row argmax costs ~0.1 ms a row).
         argmax = (logits.max(-1).indices.tolist() if any(batch.seqs[i].sampler.takes_argmax for i in samplers)
                   else [None] * len(samplers))
         deltas = []
         for row, i in enumerate(samplers):
             seq = batch.seqs[i]
-            for fork in seq.forks:  # they sample their first token from the same logits
-                self._fork(seq, fork)
-                deltas.append(self._sample(fork, logits[row], argmax[row]))
-            seq.forks = []
-            deltas.append(self._sample(seq, logits[row], argmax[row]))
-        return deltas
+            if seq.finished:  # its request failed earlier in this step
+                continue
+            # An error here belongs to this request alone (its parameters, its text): it ends
+            # with the error and the batch goes on.
+            try:
+                for fork in seq.forks:  # they sample their first token from the same logits
+                    self.scheduler.fork(seq, fork)
+                    deltas.append(self._sample(fork, logits[row], argmax[row]))
+                seq.forks = []
+                deltas.append(self._sample(seq, logits[row], argmax[row]))
+            except Exception as e:
+                self._fail(seq.request_id, e)
+        return [d for d in deltas if d.request_id not in self.failures] if self.failures else deltas
 
-    def _fork(self, parent: Sequence, child: Sequence) -> None:
-        child.block_table = self.blocks.fork(parent.block_table)
-        child.block_hashes = list(parent.block_hashes)
-        child.num_computed = parent.num_computed
-        child.stats.forwards = list(parent.stats.forwards)
-        self.scheduler.running.append(child)
+    def _fail(self, request_id: str, error: Exception) -> None:
+        logger.error("request %s failed", request_id, exc_info=error)
+        for seq in self.requests[request_id]:
+            if not seq.finished:
+                seq.abort()
+            self.scheduler.finish(seq)
+        self.failures[request_id] = RequestFailedError(
+            f"internal error in request {request_id}: {type(error).__name__}: {' '.join(str(error).split())}"[:500])
+
+    def take_failures(self) -> dict[str, RequestFailedError]:
+        """Requests that an internal error ended since the last call (their caller gets the error)."""
+        failures, self.failures = self.failures, {}
+        return failures
 
     def _sample(self, seq: Sequence, logits: torch.Tensor, argmax: int | None) -> StreamDelta:
         token, logprobs = seq.sampler.sample(logits, argmax)
@@ -182,7 +210,10 @@ class LLMEngine:
     def stream(self, request_id: str) -> Iterator[StreamDelta]:
         """Step until this request finishes, yielding its deltas (others advance too)."""
         while not all(s.finished for s in self.requests[request_id]):
-            for d in self.step():
+            deltas = self.step()
+            if request_id in self.failures:
+                raise self.failures.pop(request_id)
+            for d in deltas:
                 if d.request_id == request_id:
                     yield d
 

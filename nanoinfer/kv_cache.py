@@ -131,10 +131,15 @@ class BlockManager:
             table[idx] = new
             self.stats.cow_copies += 1
 
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write copies decided since the last call; the runner does them before the forward."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
     def seal_full_blocks(self, table: list[int], tokens: list[int], num_computed: int, hashes: list[bytes]) -> None:
         """Name each block that has become full (all its tokens computed) by its prefix hash,
         so later requests can reuse it. `hashes` is the sequence's running hash list."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or num_computed // self.block_size <= len(hashes):
             return
         bs = self.block_size
         while len(hashes) < num_computed // bs:

@@ -87,8 +87,8 @@ class LLM:
         params = self._params_list(sampling_params, len(plist))
         # Validate every prompt before any runs, so one bad prompt loses nothing.
         prepared = [self._prompt_ids(p) for p in plist]
-        for _, ids in prepared:
-            self.engine.validate_prompt(ids)
+        for (_, ids), p in zip(prepared, params):
+            self.engine.validate_request(ids, p)
         rids = [self._submit({"prompt": t, "prompt_token_ids": ids}, p) for (t, ids), p in zip(prepared, params)]
         bar = None
         if use_tqdm:
@@ -97,6 +97,9 @@ class LLM:
         try:
             while self.engine.has_unfinished():
                 self.engine.step()
+                failures = self.engine.take_failures()
+                if failures:  # the others are released below; a caller gets nothing half-done
+                    raise next(iter(failures.values()))
                 if bar is not None:
                     bar.update(sum(self.engine.output(r).finished for r in rids) - bar.n)
         except BaseException:

@@ -30,6 +30,7 @@ class SchedulerConfig:
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)  # tokens each sequence computes this step
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): copy-on-write before the forward
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -49,6 +50,10 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    def num_seats(self) -> int:
+        """Running sequences and the forks they will make: what max_num_seqs bounds."""
+        return len(self.running) + sum(len(seq.forks) for seq in self.running)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -92,8 +97,10 @@ class Scheduler:
             budget -= n
             i += 1
         # 2. waiting sequences, first come first served, while budget and blocks last
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if self.num_seats() + 1 + len(seq.forks) > self.config.max_num_seqs:
+                break  # its n-1 forks join the running set after its prefill: they count from now
             if not seq.block_table:
                 seq.num_computed = self.blocks.allocate_prompt(seq.block_table, seq.all_ids)
             n = min(seq.length - seq.num_computed, budget)
@@ -111,7 +118,24 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_tokens.append(n)
             budget -= n
+        batch.block_copies = self.blocks.take_pending_copies()
         return batch
+
+    def update_after_forward(self, batch: ScheduledBatch) -> None:
+        """The forward computed the scheduled tokens: advance each sequence and name the
+        blocks it filled, for later prefix hits."""
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed += n
+            if self.blocks.enable_prefix_caching and seq.num_computed // self.blocks.block_size > len(seq.block_hashes):
+                self.blocks.seal_full_blocks(seq.block_table, seq.all_ids, seq.num_computed, seq.block_hashes)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """A sample of the same prompt joins the running set, sharing the parent's blocks."""
+        child.block_table = self.blocks.fork(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed = parent.num_computed
+        child.stats.forwards = list(parent.stats.forwards)
+        self.running.append(child)
 
     def _shrink_to_fit(self, seq: Sequence, n: int) -> int:
         while n > 0 and not self.blocks.can_allocate(self._blocks_for(seq, n)):

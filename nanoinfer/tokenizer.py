@@ -721,13 +721,17 @@ class StopMatcher:
         return buffer[:cut], False
 
     def _longest_partial(self, buffer: str) -> int:
-        """Length of the longest end of `buffer` that is the beginning of a stop string."""
+        """Length of the longest end of `buffer` that is the beginning of a stop string.
+        Only places where a stop string's first character occurs are tried, each with one
+        C-level comparison, so a step costs about one scan of the held text per stop string."""
         longest = 0
         for stop in self._stops:
-            for k in range(min(len(stop) - 1, len(buffer)), longest, -1):
-                if buffer.endswith(stop[:k]):
-                    longest = k
+            at = buffer.find(stop[0], max(len(buffer) - len(stop) + 1, 0))
+            while 0 <= at < len(buffer) - longest:
+                if stop.startswith(buffer[at:]):
+                    longest = len(buffer) - at
                     break
+                at = buffer.find(stop[0], at + 1)
         return longest
 
     def flush(self) -> str:

@@ -149,3 +149,16 @@ def test_builds_without_a_writable_cache(monkeypatch, tmp_path):
     finally:
         monkeypatch.undo()
         cpu_kernels.library.cache_clear()
+
+
+def test_loading_the_kernels_keeps_subnormals():
+    """Linked with -ffast-math, a shared object sets flush-to-zero for the whole process on
+    load: Python then read 1e-310 as 0.0 and refused a subnormal top_p as "top_p=0.0"."""
+    import subprocess
+    import sys
+
+    code = ("from nanoinfer import cpu_kernels; import torch; assert cpu_kernels.library() is not None;"
+            "x = float('1e-310'); assert x > 0 and repr(x) == '1e-310', repr(x);"
+            "assert (torch.tensor([1e-40]) * 1.0).item() > 0")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
