@@ -2,7 +2,7 @@
 from .errors import InvalidRequestError, ModelLoadError, NanoinferError
 from .llm import LLM
 from .sampling import SamplingParams
-from .sequence import CompletionOutput, FinishCause, RequestOutput, StreamDelta
+from .engine.sequence import CompletionOutput, FinishCause, RequestOutput, StreamDelta
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "StreamDelta", "FinishCause",
            "NanoinferError", "ModelLoadError", "InvalidRequestError"]

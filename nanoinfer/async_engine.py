@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from .engine import LLMEngine
 from .sampling import SamplingParams
-from .sequence import RequestOutput, StreamDelta
+from .engine.sequence import RequestOutput, StreamDelta
 
 
 @dataclass
@@ -166,3 +166,8 @@ class AsyncEngine:
         self._stop.set()
         self.commands.put(None)
         self.thread.join(timeout=5)
+
+    def abort_all(self) -> None:
+        """Abort every request in flight (from any thread): each stream gets its "abort" ending."""
+        for rid in list(self.sinks):
+            self.commands.put(_Abort(rid))

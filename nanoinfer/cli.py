@@ -32,6 +32,12 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--ignore-eos", action="store_true")
 
 
+def add_parse_special_arg(p: argparse.ArgumentParser, default: bool | None, what: str) -> None:
+    shown = {True: "on", False: "off", None: "on; off with --chat"}[default]
+    p.add_argument("--parse-special", action=argparse.BooleanOptionalAction, default=default,
+                   help=f"special-token text like <|im_start|> in {what} becomes the token (default: {shown})")
+
+
 # How tool calls show in the terminal (nanochat models): the marker tokens are special,
 # so they are kept in the text and drawn readably instead of being dropped.
 TOOL_MARKERS = {"<|python_start|>": "[calculator: ", "<|python_end|>": "]", "<|output_start|>": " = ",
@@ -117,12 +123,13 @@ def cmd_generate(a: argparse.Namespace) -> int:
     params = sampling_params(a)  # bad values fail before the model loads
     llm = load_llm(a)
     params = with_tool_markers(llm, params)
+    parse_special = (not a.chat) if a.parse_special is None else a.parse_special
     if a.chat:
         messages = ([{"role": "system", "content": a.system}] if a.system else []) + [
             {"role": "user", "content": a.prompt}]
-        stream = llm.stream_chat(messages, params)
+        stream = llm.stream_chat(messages, params, parse_special=parse_special)
     else:
-        stream = llm.stream(a.prompt, params)
+        stream = llm.stream(a.prompt, params, parse_special=parse_special)
         if not a.no_echo:
             print(a.prompt, end="", flush=True)
     try:
@@ -137,12 +144,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
-def fit_history(llm, history: list[dict], reserve: int) -> tuple[list[int], int]:
+def fit_history(llm, history: list[dict], reserve: int, parse_special: bool = False) -> tuple[list[int], int]:
     """Drop the oldest user/assistant turns (a leading system message stays) until the
     rendered conversation leaves `reserve` tokens of room. Returns ids and turns dropped."""
     dropped = 0
     while True:
-        ids = llm.chat_ids(history)
+        ids = llm.chat_ids(history, parse_special=parse_special)
         if len(ids) + reserve <= llm.max_model_len:
             return ids, dropped
         first = 1 if history and history[0]["role"] == "system" else 0
@@ -182,7 +189,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
             continue
         history.append({"role": "user", "content": line})
         try:
-            ids, dropped = fit_history(llm, history, reserve)
+            ids, dropped = fit_history(llm, history, reserve, a.parse_special)
         except NanoinferError as e:
             history.pop()
             print(f"error: {e}", file=sys.stderr)
@@ -234,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--system", default=None, help="system message (with --chat)")
     g.add_argument("--stats", action="store_true", help="print TTFT, inter-token latency and tok/s")
     g.add_argument("--no-echo", action="store_true", help="raw mode: do not print the prompt first")
+    add_parse_special_arg(g, None, "PROMPT")
     add_model_args(g)
     add_sampling_args(g, max_tokens=256)
     g.set_defaults(func=cmd_generate)
@@ -241,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="multi-turn chat in the terminal")
     c.add_argument("--system", default=None)
     c.add_argument("--stats", action="store_true")
+    add_parse_special_arg(c, False, "your messages")
     add_model_args(c)
     add_sampling_args(c, max_tokens=512)
     c.set_defaults(func=cmd_chat)
@@ -250,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--file", "-f", default=None)
     t.add_argument("--model", "-m", default=None)
     t.add_argument("--no-special", action="store_true", help="do not add BOS/EOS")
-    t.add_argument("--parse-special", action="store_true", help="match special-token text like <|im_start|>")
+    add_parse_special_arg(t, True, "TEXT")
     t.add_argument("--show", action="store_true", help="also print each token's text (stderr)")
     t.set_defaults(func=cmd_tokenize)
 

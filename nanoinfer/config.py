@@ -1,7 +1,14 @@
 """Architecture facts of a decoder-only transformer, independent of the file it came from."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ModelLoadError
+
+# Size fields beyond this are corrupt or hostile whatever the model (int32 indexing).
+MAX_SIZE = (1 << 31) - 1
 
 
 @dataclass
@@ -23,6 +30,8 @@ class ModelConfig:
     rope_scaling: dict | None = None  # HF-style dict, e.g. {"rope_type": "llama3", "factor": 8.0, ...}
     sliding_window: int | None = None  # Mistral: a query sees at most this many keys
     layer_windows: list[int | None] | None = None  # per-layer windows (nanochat); overrides sliding_window
+    attn_scale: float | None = None  # softmax scale of q.k; None: 1 / sqrt(head_dim)
+    attn_softcap: float | None = None  # attention scores soft-capped to c * tanh(s / c) (Gemma 2)
     extra: dict = field(default_factory=dict)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
@@ -32,3 +41,26 @@ class ModelConfig:
     def windows(self) -> list[int | None]:
         """The attention window of each layer (None = full causal)."""
         return list(self.layer_windows) if self.layer_windows is not None else [self.sliding_window] * self.num_layers
+
+
+# Loaders check a file's fields with these before anything is sized from them; `name` is the
+# field as the file spells it, so that the one-line ModelLoadError points at it.
+
+def check_int(value: Any, name: str, lo: int = 1, hi: int = MAX_SIZE) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ModelLoadError(f"{name} must be an integer in [{lo}, {hi}], got {value!r:.40}")
+    return value
+
+
+def check_number(value: Any, name: str, allow_zero: bool = False) -> float:
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or value < 0 or value == 0 and not allow_zero):
+        raise ModelLoadError(f"{name} must be a {'non-negative' if allow_zero else 'positive'} number, "
+                             f"got {value!r:.40}")
+    return float(value)
+
+
+def check_layer_count(n: int, indices: set[int], name: str) -> None:
+    """The layer count a file states against the layers its tensors hold (0 .. n-1)."""
+    if n != len(indices):
+        raise ModelLoadError(f"{name} {n} does not match the {len(indices)} layers of weights in the file")

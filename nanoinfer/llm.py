@@ -11,7 +11,7 @@ from .engine import EngineConfig, LLMEngine
 from .errors import InvalidRequestError
 from .loaders import load_model
 from .sampling import SamplingParams
-from .sequence import RequestOutput, StreamDelta
+from .engine.sequence import RequestOutput, StreamDelta
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -42,14 +42,15 @@ class LLM:
         return self.engine.max_model_len
 
     # --- prompts ----------------------------------------------------------------
-    def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+    def _prompt_ids(self, prompt: Prompt, parse_special: bool = True) -> tuple[str | None, list[int]]:
+        """Text prompts are the caller's own: special-token text in them ("<|fim_prefix|>") is parsed."""
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode(prompt, parse_special=parse_special)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
-                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"], parse_special=parse_special)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
         raise InvalidRequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
@@ -71,8 +72,8 @@ class LLM:
             raise InvalidRequestError(f"{len(params)} sampling params for {n} prompts")
         return list(params)
 
-    def _submit(self, prompt: Prompt, params: SamplingParams) -> str:
-        text, ids = self._prompt_ids(prompt)
+    def _submit(self, prompt: Prompt, params: SamplingParams, parse_special: bool = True) -> str:
+        text, ids = self._prompt_ids(prompt, parse_special)
         rid = str(next(self._ids))
         self.engine.add_request(rid, ids, params, prompt=text)
         return rid
@@ -80,13 +81,14 @@ class LLM:
     # --- generation -------------------------------------------------------------
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, parse_special: bool = True) -> list[RequestOutput]:
         """Run the prompts together (continuous batching) and return one output per prompt,
-        in order. use_tqdm: a progress bar of finished requests on stderr."""
+        in order. use_tqdm: a progress bar of finished requests on stderr. parse_special=False:
+        special-token text in text prompts stays plain text."""
         plist = self._as_list(prompts)
         params = self._params_list(sampling_params, len(plist))
         # Validate every prompt before any runs, so one bad prompt loses nothing.
-        prepared = [self._prompt_ids(p) for p in plist]
+        prepared = [self._prompt_ids(p, parse_special) for p in plist]
         for (_, ids), p in zip(prepared, params):
             self.engine.validate_request(ids, p)
         rids = [self._submit({"prompt": t, "prompt_token_ids": ids}, p) for (t, ids), p in zip(prepared, params)]
@@ -112,28 +114,32 @@ class LLM:
         return [self.engine.release(rid) for rid in rids]
 
     def chat_ids(self, messages: list[dict], tools: list[dict] | None = None,
-                 add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
+                 add_generation_prompt: bool = True, parse_special: bool = False, **template_kwargs) -> list[int]:
         return self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                          **template_kwargs)
+                                          parse_special=parse_special, **template_kwargs)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              tools: list[dict] | None = None, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """One conversation (a list of messages) or several; the chat template is applied."""
+             chat_template_kwargs: dict | None = None, parse_special: bool = False) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several; the chat template is applied.
+        parse_special=True: special-token text in the messages becomes tokens too."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.chat_ids(c, tools, add_generation_prompt, **(chat_template_kwargs or {}))}
+        prompts = [{"prompt_token_ids": self.chat_ids(c, tools, add_generation_prompt, parse_special,
+                                                      **(chat_template_kwargs or {}))}
                    for c in conversations]
         return self.generate(prompts, sampling_params)
 
-    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[StreamDelta]:
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+               parse_special: bool = True) -> Iterator[StreamDelta]:
         """Yield text deltas as they are produced; closing the iterator aborts the request."""
-        rid = self._submit(prompt, sampling_params or SamplingParams())
+        rid = self._submit(prompt, sampling_params or SamplingParams(), parse_special)
         try:
             yield from self.engine.stream(rid)
         finally:
             self.last_output = self.engine.release(rid)  # aborts it if the caller stopped early
 
     def stream_chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
-                    tools: list[dict] | None = None) -> Iterator[StreamDelta]:
-        return self.stream({"prompt_token_ids": self.chat_ids(messages, tools)}, sampling_params)
+                    tools: list[dict] | None = None, parse_special: bool = False) -> Iterator[StreamDelta]:
+        return self.stream({"prompt_token_ids": self.chat_ids(messages, tools, parse_special=parse_special)},
+                           sampling_params)

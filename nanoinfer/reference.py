@@ -12,7 +12,8 @@ import time
 import torch
 from torch import nn
 
-from .sequence import ForwardStat
+from .engine.sequence import ForwardStat
+from .models.batch import ForwardBatch
 
 
 @torch.inference_mode()
@@ -25,7 +26,7 @@ def generate_uncached(model: nn.Module, prompt_ids: list[int], max_tokens: int,
     device = next(model.parameters()).device
     for _ in range(max_tokens):
         t0 = time.perf_counter()
-        logits = model(torch.tensor(ids, device=device), torch.arange(len(ids), device=device))[-1].cpu()
+        logits = model(ForwardBatch.whole(torch.tensor(ids, device=device)))[-1].cpu()
         if stats is not None:
             stats.append(ForwardStat(len(ids), len(ids), time.perf_counter() - t0))
         token = int(torch.argmax(logits))

@@ -109,7 +109,6 @@ def _show(value) -> str:
 class Logprob:
     logprob: float
     rank: int  # 1 = most likely under the model
-    decoded_token: str | None = None
 
 
 @dataclass

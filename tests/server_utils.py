@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -94,6 +95,27 @@ def run_server(args: list[str], **kwargs) -> Iterator[str]:
         server.stop()
 
 
+@contextlib.contextmanager
+def serve_in_thread(app, startup_timeout: float = 60.0) -> Iterator[str]:
+    """Serve an ASGI app built in this process (so a test can reach into it) on a thread; yield its URL."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the in-process server did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
 def scripted_server_command(tokenizer_dir: Path, scripts: dict[str, str]) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), "scripted", "--tokenizer", str(tokenizer_dir),
             "--scripts", json.dumps(scripts)]
@@ -138,7 +160,8 @@ def _scripted_main(argv: list[str]) -> int:
             self.anchor = nn.Parameter(torch.zeros(1))
             self.base, self.script = 0, [tok.eos_token_id]  # one request at a time
 
-        def forward(self, input_ids, positions, attn=None, logits_indices=None, **_):
+        def forward(self, batch):  # a ForwardBatch
+            input_ids, positions, logits_indices = batch.input_ids, batch.positions, batch.logits_indices
             rows = [] if logits_indices is None else logits_indices.tolist()
             logits = torch.full((len(rows), self.config.vocab_size), -10.0)
             for r, at in enumerate(rows):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -40,11 +41,34 @@ def test_generate_chat(model_dir, capsys):
 def test_tokenize(model_dir, capsys, tmp_path):
     assert main(["tokenize", "Hello <|im_start|> world", "--model", model_dir]) == 0
     ids = json.loads(capsys.readouterr().out)
-    assert ids == LLM(model_dir).tokenizer.encode("Hello <|im_start|> world")
+    assert ids == LLM(model_dir).tokenizer.encode("Hello <|im_start|> world", parse_special=True)
     f = tmp_path / "t.txt"
     f.write_text("Café 日本\n")
     assert main(["tokenize", "--file", str(f), "--model", model_dir]) == 0
     assert json.loads(capsys.readouterr().out) == LLM(model_dir).tokenizer.encode("Café 日本\n")
+
+
+def test_raw_prompts_parse_special_tokens(model_dir, capsys):
+    """`generate` parses special tokens written in a raw prompt (--no-parse-special: plain text);
+    with --chat the message stays text unless --parse-special. Before: always plain text."""
+    tok = LLM(model_dir).tokenizer
+    raw = "<|im_start|>user\nHi"
+    chat = [{"role": "user", "content": raw}]
+
+    def prompt_tokens(*argv: str) -> int:
+        assert main(["generate", raw, "--model", model_dir, "-t", "0", "-n", "1", "--no-echo", "--stats",
+                     *argv]) == 0
+        return int(re.search(r"prompt (\d+) tok", capsys.readouterr().err).group(1))
+
+    assert prompt_tokens() == len(tok.encode(raw, parse_special=True))
+    assert prompt_tokens("--no-parse-special") == len(tok.encode(raw))
+    assert prompt_tokens("--chat") == len(tok.encode_chat(chat))
+    assert prompt_tokens("--chat", "--parse-special") == len(tok.encode_chat(chat, parse_special=True))
+    assert len(tok.encode_chat(chat, parse_special=True)) < len(tok.encode_chat(chat))
+    assert main(["tokenize", raw, "--model", model_dir]) == 0
+    assert json.loads(capsys.readouterr().out) == tok.encode(raw, parse_special=True)
+    assert main(["tokenize", raw, "--model", model_dir, "--no-parse-special"]) == 0
+    assert json.loads(capsys.readouterr().out) == tok.encode(raw)
 
 
 @pytest.mark.parametrize("argv,needle", [

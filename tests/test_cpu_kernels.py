@@ -6,9 +6,10 @@ import shutil
 import pytest
 import torch
 
-from nanoinfer import LLM, SamplingParams, cpu_kernels
-from nanoinfer.attention import PagedAttention
-from nanoinfer.kv_cache import PagedKVCache
+from nanoinfer import LLM, SamplingParams
+from nanoinfer.attention import (AttentionParams, CpuPagedAttention, PagedKVCache, PagedMetadata,
+                                 TorchPagedAttention)
+from nanoinfer.kernels import cpu_kernels
 
 if shutil.which("c++") is None and shutil.which("g++") is None:
     pytest.skip("no C++ compiler: the kernel cannot be built here", allow_module_level=True)
@@ -23,9 +24,11 @@ def test_kernel_builds():
 
 
 def random_batch(seed: int, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int,
-                 ctx: list[int], window: int | None, num_blocks: int = 64):
+                 ctx: list[int], window: int | None, num_blocks: int = 64, softcap: float | None = None,
+                 scale: float | None = None):
     """A cache of random blocks, decode rows at the given context lengths (each with its
-    own shuffled blocks), and two extra rows in the flat batch that are not decodes."""
+    own shuffled blocks), and two extra rows in the flat batch that are not decodes.
+    Returns run(kernel) -> attention output of the PyTorch backend or the kernel's, and the rest."""
     g = torch.Generator().manual_seed(seed)
     cache = PagedKVCache.allocate(1, num_blocks, block_size, kv_heads, head_dim, dtype, torch.device("cpu"))
     cache.k.copy_(torch.randn(cache.k.shape, generator=g))
@@ -49,10 +52,12 @@ def random_batch(seed: int, dtype: torch.dtype, heads: int, kv_heads: int, head_
                                     for b, c in enumerate(ctx)] + [spare * block_size + 1]
     ctx_t = torch.tensor(ctx).unsqueeze(1)
 
-    def attention(kernel: bool) -> PagedAttention:
-        return PagedAttention(cache, torch.tensor(slots), [], rows, tables, ctx_t, [window], decode_max_ctx=max(ctx),
-                              decode_kernel=kernel)
-    return attention, q, k, v, rows
+    params = [AttentionParams(head_dim ** -0.5 if scale is None else scale, window, softcap)]
+
+    def run(kernel: bool) -> torch.Tensor:
+        backend = (CpuPagedAttention if kernel else TorchPagedAttention)(params, cache)
+        return backend.forward(0, q, k, v, PagedMetadata(torch.tensor(slots), [], rows, tables, ctx_t, max(ctx)))
+    return run, (cache, tables, ctx_t, params[0]), q, k, v, rows
 
 
 CASES = [  # heads, kv_heads, head_dim, block_size, context lengths, window
@@ -69,30 +74,41 @@ CASES = [  # heads, kv_heads, head_dim, block_size, context lengths, window
 @pytest.mark.parametrize("case", CASES)
 def test_kernel_matches_pytorch_fp32(case):
     heads, kv_heads, head_dim, block_size, ctx, window = case
-    attention, q, k, v, rows = random_batch(0, torch.float32, heads, kv_heads, head_dim, block_size, ctx, window)
-    ref = attention(False).attend(0, q, k, v)
-    got = attention(True).attend(0, q, k, v)
-    torch.testing.assert_close(got[rows], ref[rows], atol=2e-6, rtol=1e-5)
+    run, _, q, k, v, rows = random_batch(0, torch.float32, heads, kv_heads, head_dim, block_size, ctx, window)
+    torch.testing.assert_close(run(True)[rows], run(False)[rows], atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[3]])
+def test_kernel_soft_capping_and_scale_match_pytorch(case):
+    """Scale and soft-cap are parameters of the layer, not constants of the kernel."""
+    heads, kv_heads, head_dim, block_size, ctx, window = case
+    scale = 4.0 / head_dim ** 0.5  # scores well past the cap, so capping changes them
+    run, _, q, k, v, rows = random_batch(3, torch.float32, heads, kv_heads, head_dim, block_size, ctx, window,
+                                         softcap=0.5, scale=scale)
+    capped = run(True)
+    torch.testing.assert_close(capped[rows], run(False)[rows], atol=2e-6, rtol=1e-5)
+    plain, *_ = random_batch(3, torch.float32, heads, kv_heads, head_dim, block_size, ctx, window, scale=scale)
+    default, *_ = random_batch(3, torch.float32, heads, kv_heads, head_dim, block_size, ctx, window)
+    assert (capped[rows] - plain(True)[rows]).abs().max() > 1e-2
+    assert (plain(True)[rows] - default(True)[rows]).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("case", CASES[:2] + CASES[3:])
 def test_kernel_matches_pytorch_bf16(case):
     """bf16 in and out, fp32 inside (as SDPA's CPU kernel): within bf16 rounding."""
     heads, kv_heads, head_dim, block_size, ctx, window = case
-    attention, q, k, v, rows = random_batch(1, torch.bfloat16, heads, kv_heads, head_dim, block_size, ctx, window)
-    ref = attention(False).attend(0, q, k, v).float()
-    got = attention(True).attend(0, q, k, v).float()
+    run, _, q, k, v, rows = random_batch(1, torch.bfloat16, heads, kv_heads, head_dim, block_size, ctx, window)
+    ref = run(False).float()
+    got = run(True).float()
     torch.testing.assert_close(got[rows], ref[rows], atol=2e-2, rtol=2e-2)
     assert (got[rows] - ref[rows]).abs().mean() < 2e-3
 
 
 def test_kernel_leaves_other_rows_alone():
     """Rows that are not decodes (prefill rows, handled elsewhere) are not written."""
-    attention, q, k, v, rows = random_batch(2, torch.float32, 9, 3, 64, 16, [20, 3], None)
+    _, (cache, tables, ctx, params), q, k, v, rows = random_batch(2, torch.float32, 9, 3, 64, 16, [20, 3], None)
     out = torch.full_like(q, 7.0)
-    layer = attention(True)
-    cpu_kernels.paged_decode(q, out, rows, layer.cache.k[0], layer.cache.v[0], layer.decode_tables,
-                               layer.decode_ctx, 20, None)
+    cpu_kernels.paged_decode(q, out, rows, cache.k[0], cache.v[0], tables, ctx, 20, None, params.scale)
     assert torch.all(out[0] == 7.0) and torch.all(out[-1] == 7.0)
     assert not torch.any(out[rows] == 7.0)
 
@@ -103,9 +119,10 @@ def test_engine_same_tokens_with_and_without_kernel(make_hf_model):
     prompts = [[(7 * i + j) % 300 for j in range(n)] for i, n in enumerate((5, 40, 77, 12))]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     llm = LLM(path, block_size=4, max_num_batched_tokens=32)
-    assert llm.engine.runner.decode_kernel
+    runner = llm.engine.runner
+    assert isinstance(runner.attention, CpuPagedAttention)
     with_kernel = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    llm.engine.runner.decode_kernel = False
+    runner.attention = TorchPagedAttention(runner.attention.params, runner.attention.cache)
     without = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert with_kernel == without
 
@@ -157,7 +174,7 @@ def test_loading_the_kernels_keeps_subnormals():
     import subprocess
     import sys
 
-    code = ("from nanoinfer import cpu_kernels; import torch; assert cpu_kernels.library() is not None;"
+    code = ("from nanoinfer.kernels import cpu_kernels; import torch; assert cpu_kernels.library() is not None;"
             "x = float('1e-310'); assert x > 0 and repr(x) == '1e-310', repr(x);"
             "assert (torch.tensor([1e-40]) * 1.0).item() > 0")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanoinfer import cpu_kernels
-from nanoinfer.cpu_linear import PackedLinear, adapt_linears, packing_supported
+from nanoinfer.kernels import cpu_kernels
+from nanoinfer.kernels.cpu_linear import PackedLinear, adapt_linears, packing_supported
 from nanoinfer.loaders import load_model
+from nanoinfer.models.batch import ForwardBatch
 from nanoinfer.reference import generate_uncached
 
 needs_onednn = pytest.mark.skipif(not packing_supported(), reason="this torch build or CPU has no oneDNN bf16")
@@ -105,6 +106,6 @@ def test_adapted_model_keeps_sizes_and_outputs(make_hf_model, tie, dtype):
     ids = torch.tensor([3, 17, 92, 5, 44, 8, 120, 77])  # a decode-sized batch
     tol = dict(atol=0.1, rtol=0.05) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
     with torch.inference_mode():
-        torch.testing.assert_close(adapted(ids, torch.arange(8)), plain(ids, torch.arange(8)), **tol)
+        torch.testing.assert_close(adapted(ForwardBatch.whole(ids)), plain(ForwardBatch.whole(ids)), **tol)
     prompt = ids.tolist()[:6]
     assert generate_uncached(adapted, prompt, 12)[0] == generate_uncached(plain, prompt, 12)[0]

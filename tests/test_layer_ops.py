@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from nanoinfer import layer_ops
+from nanoinfer.kernels import layer_ops
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
                                 reason="no C++ compiler: the kernels cannot be built here")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nanoinfer.models.batch import ForwardBatch
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.reference import generate_uncached
 
@@ -49,7 +50,7 @@ def check_parity(hf_model, path, steps: int = STEPS):
     ids = prompt_ids(llm.loaded.config.vocab_size)
     with torch.no_grad():  # prefill, uncached: every position's logits
         ref = hf_model(torch.tensor([ids])).logits[0].float()
-        ours = llm.loaded.model(torch.tensor(ids), torch.arange(len(ids)))
+        ours = llm.loaded.model(ForwardBatch.whole(torch.tensor(ids)))
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
     ref_tokens, ref_logits = hf_greedy(hf_model, ids, steps)
     tokens, logits = engine_greedy(llm, ids, steps)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from nanochat_fixtures import (
     ERAS, MODEL_CONFIG, build_encoding, random_state, short_window, write_checkpoint, write_tokenizer,
 )
+from nanoinfer.models.batch import ForwardBatch
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.errors import InvalidRequestError, ModelLoadError
 from nanoinfer.loaders import detect_format, load_model, load_tokenizer
@@ -194,7 +195,7 @@ def test_forward_matches_reference(era, states, era_roots, tokenizer):
     ids = prompt(tokenizer, 200)
     assert len(ids) > short_window(MODEL_CONFIG["sequence_len"]) + 1  # the short window slides
     with torch.no_grad():
-        ours = model(torch.tensor(ids), torch.arange(len(ids)))
+        ours = model(ForwardBatch.whole(torch.tensor(ids)))
     ref = reference_logits(states[era], era, ids)
     assert ours.dtype == torch.float32 and ours.shape == (len(ids), MODEL_CONFIG["vocab_size"])
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
@@ -216,16 +217,16 @@ def test_prev_ids_and_logits_indices(era_roots, tokenizer):
     model = build_model(config, state)
     ids = torch.tensor(prompt(tokenizer, 40))
     with torch.no_grad():
-        whole = model(ids, torch.arange(40))
-        rows = model(ids, torch.arange(40), logits_indices=torch.tensor([3, 39]))
+        whole = model(ForwardBatch.whole(ids))
+        rows = model(ForwardBatch.whole(ids, logits_indices=torch.tensor([3, 39])))
         prev = torch.cat([torch.tensor([-1]), ids[:-1]])
-        explicit = model(ids, torch.arange(40), prev_ids=prev)
-        wrong = model(ids, torch.arange(40), prev_ids=torch.full((40,), -1))
+        explicit = model(ForwardBatch.whole(ids, prev_ids=prev))
+        wrong = model(ForwardBatch.whole(ids, prev_ids=torch.full((40,), -1)))
     torch.testing.assert_close(rows, whole[[3, 39]], atol=1e-5, rtol=0)
     torch.testing.assert_close(explicit, whole, atol=0, rtol=0)
     assert (wrong - whole).abs().max() > 1e-2  # the smear does use the previous token
     with pytest.raises(ValueError, match="prev_ids"):
-        model(ids[5:], torch.arange(5, 40))
+        model(ForwardBatch(ids[5:], torch.arange(5, 40)))
 
 
 def test_sliding_past_sequence_len(states, era_roots):
@@ -236,7 +237,7 @@ def test_sliding_past_sequence_len(states, era_roots):
     model = build_model(config, state)
     ids = torch.randint(0, MODEL_CONFIG["vocab_size"], (seq_len + 80,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        ours = model(ids, torch.arange(len(ids)))
+        ours = model(ForwardBatch.whole(ids))
     torch.testing.assert_close(ours, reference_logits(states["F"], "F", ids.tolist()), atol=1e-4, rtol=0)
     with pytest.raises(InvalidRequestError, match="max_position_embeddings"):
         load_nanochat(era_roots["F"], overrides={"max_position_embeddings": 10 * seq_len + 1})
@@ -250,7 +251,7 @@ def test_overrides(era_roots, tokenizer, states):
     config, state, _, _ = load_nanochat(era_roots["A"], overrides={"softcap": None})
     ids = prompt(tokenizer, 20)
     with torch.no_grad():
-        raw = build_model(config, state)(torch.tensor(ids), torch.arange(20))
+        raw = build_model(config, state)(ForwardBatch.whole(torch.tensor(ids)))
     capped = reference_logits(states["A"], "A", ids)
     torch.testing.assert_close(15.0 * torch.tanh(raw / 15.0), capped, atol=1e-4, rtol=0)
     with pytest.raises(InvalidRequestError, match="unknown nanochat override"):
@@ -337,7 +338,7 @@ def test_compiled_keys_and_scalar_shapes(chat_root):
     model = build_model(config, state)
     ids = torch.arange(1, 30)
     with torch.no_grad():
-        out = model(ids, torch.arange(29))
+        out = model(ForwardBatch.whole(ids))
     ref = reference_logits(raw, "F", ids.tolist())
     assert (out - ref).abs().max() < 0.5  # bf16 weights and activations: close, not exact
 

@@ -178,3 +178,56 @@ def test_failing_request_raises_from_llm_generate(llama_dir, failing_seed):
     assert len(tokens(llm, prompt(5, 1), max_tokens=6, **GREEDY)) == 6  # the engine goes on
     with pytest.raises(RequestFailedError):
         list(llm.stream(prompt(5, 1), SamplingParams(temperature=1.0, seed=failing_seed, max_tokens=6)))
+
+
+# --- the same through the server: one 500, eight normal answers, /health 200 ----------
+def test_failing_request_ends_alone_in_the_server(llama_dir, failing_seed):
+    """A real engine thread and real sampling; only the seeded row's sampler raises. Eight
+    concurrent requests (streamed and not) finish normally with the tokens they get alone,
+    the failing one gets a 500 (an error event then [DONE] when streamed), /health stays 200
+    throughout, and the KV pool ends empty."""
+    import concurrent.futures
+    import json
+
+    import httpx2 as httpx
+    import openai
+    from server_utils import serve_in_thread
+
+    from nanoinfer.server import ServerConfig, create_app
+
+    llm = LLM(llama_dir)
+    good = [[3 + i, 40 + i, 7, 99 + i, 12] for i in range(8)]
+    alone = [tokens(llm, {"prompt_token_ids": p}, max_tokens=24, **GREEDY) for p in good]
+    app = create_app(llm.engine, ServerConfig(model_name="m"))
+    with serve_in_thread(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+
+        def normal(i: int) -> str:
+            kw = dict(model="m", prompt=good[i], max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+            if i % 2:
+                chunks = list(client.completions.create(stream=True, **kw))
+                assert chunks[-1].choices[0].finish_reason == "length"
+                return "".join(c.choices[0].text for c in chunks if c.choices)
+            r = client.completions.create(**kw)
+            assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 24
+            return r.choices[0].text
+
+        def failing() -> None:
+            with pytest.raises(openai.InternalServerError) as e:
+                client.completions.create(model="m", prompt=good[0], max_tokens=24, seed=failing_seed)
+            assert e.value.body["type"] == "server_error" and "injected" in e.value.body["message"]
+            with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
+                    "prompt": good[1], "max_tokens": 24, "seed": failing_seed, "stream": True}) as r:
+                lines = [line for line in r.iter_lines() if line]
+            assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["error"]["type"] == "server_error"
+
+        with concurrent.futures.ThreadPoolExecutor(10) as pool:
+            futures = [pool.submit(normal, i) for i in range(8)] + [pool.submit(failing)]
+            while not all(f.done() for f in futures):
+                assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+                concurrent.futures.wait(futures, timeout=0.2)
+            texts = [f.result() for f in futures[:8]]
+            futures[8].result()
+        assert texts == [llm.tokenizer.decode(a) for a in alone]
+        assert httpx.get(f"{url}/health", timeout=10).json()["status"] == "ok"
+        assert pool_is_empty(llm)

@@ -25,9 +25,9 @@ class ScriptedModel(nn.Module):
         self.script = list(script)
         self.fed: list[list[int]] = []
 
-    def forward(self, input_ids, positions, attn=None, logits_indices=None):
-        self.fed.append(input_ids.tolist())
-        n = 0 if logits_indices is None else len(logits_indices)
+    def forward(self, batch):  # a ForwardBatch
+        self.fed.append(batch.input_ids.tolist())
+        n = 0 if batch.logits_indices is None else len(batch.logits_indices)
         logits = torch.zeros(n, self.config.vocab_size)
         for row in range(n):
             logits[row, self.script.pop(0)] = 10.0

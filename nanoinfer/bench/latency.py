@@ -75,7 +75,7 @@ def run_batch(env: BenchEnv, batch: int, prompt_len: int, decode_len: int, seed:
     engine.step()
     sync(env.device)
     ttft = time.perf_counter() - t0
-    if engine.last_step.num_tokens != batch * prompt_len:
+    if engine.last_step_tokens != batch * prompt_len:
         raise NanoinferError(f"batch {batch}: the prefill took more than one step (KV pool or budget too small)")
     steps: list[float] = []
     while engine.has_unfinished():

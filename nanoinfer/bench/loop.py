@@ -20,6 +20,7 @@ import torch
 
 from ..engine import EngineConfig, LLMEngine
 from ..errors import NanoinferError
+from ..models.batch import ForwardBatch
 from ..reference import generate_uncached
 from ..sampling import SamplingParams
 from .common import (BenchEnv, emit_json, kv_pool_bytes, median, on_gpu, plot_path, print_table, progress, progress_done,
@@ -36,18 +37,18 @@ class _OnDevice(torch.nn.Module):
         super().__init__()
         self.model, self.device, self.total, self.calls = model, device, total, 0
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        out = self.model(ids.to(self.device), positions.to(self.device))
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        out = self.model(batch)
         sync(self.device)
         self.calls += 1
-        progress(f"uncached: forward {self.calls}/{self.total} (context {ids.numel()})", throttle=True)
+        progress(f"uncached: forward {self.calls}/{self.total} (context {batch.input_ids.numel()})", throttle=True)
         return out
 
 
 def run_uncached(env: BenchEnv, prompt: list[int], output_len: int) -> tuple[list[int], list[tuple[int, float]], float]:
     stats = []
     wrapped = _OnDevice(env.loaded.model, env.device, output_len)
-    wrapped(torch.tensor(prompt[:8]), torch.arange(min(8, len(prompt))))  # warm up
+    wrapped(ForwardBatch.whole(torch.tensor(prompt[:8], device=env.device)))  # warm up
     wrapped.calls = 0
     t0 = time.perf_counter()
     tokens, _ = generate_uncached(wrapped, prompt, output_len, eos_ids=frozenset(), stats=stats)

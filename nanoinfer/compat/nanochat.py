@@ -22,7 +22,7 @@ from torch import nn
 from ..engine import EngineConfig, LLMEngine
 from ..loaders import LoadedModel
 from ..sampling import SamplingParams
-from ..sequence import FinishCause
+from ..engine.sequence import FinishCause
 
 
 class Engine:

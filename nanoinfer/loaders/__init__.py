@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..cpu_linear import adapt_linears
+from ..kernels.cpu_linear import adapt_linears
 from ..errors import ModelLoadError
 from ..tokenizer import Tokenizer
 

@@ -24,7 +24,7 @@ import torch
 from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from nanoinfer.config import ModelConfig
+from ..config import ModelConfig, check_int, check_layer_count, check_number
 from nanoinfer.errors import ModelLoadError
 
 __all__ = ["read_gguf_metadata", "gguf_config", "load_gguf"]
@@ -61,6 +61,9 @@ _NOT_WEIGHTS = re.compile(r"rope_freqs\.weight|blk\.\d+\.attn_rot_embd\.weight")
 
 # Dequantize about this many values per gguf-py call (see _dequantize).
 _VALUES_PER_ROW = 16384
+# Arrays of arrays deeper than this are not metadata any model has (and recursion has a limit).
+_MAX_ARRAY_DEPTH = 16
+_MAX_DIMS = 4  # GGML_MAX_DIMS
 
 
 class _Corrupt(Exception):
@@ -106,11 +109,11 @@ class _Cursor:
         start = self.take(n)
         return self.buf[start : start + n].decode("utf-8", errors="replace")
 
-    def value(self, vtype: int) -> Any:
+    def value(self, vtype: int, depth: int = 0) -> Any:
         if vtype == _STRING:
             return self.string()
         if vtype == _ARRAY:
-            return self.array()
+            return self.array(depth + 1)
         if vtype not in _SCALAR_FORMATS:
             raise _Corrupt(f"unknown metadata value type {vtype}")
         value = self.scalar(vtype)
@@ -119,15 +122,18 @@ class _Cursor:
             value = float(str(np.float32(value)))
         return value
 
-    def array(self) -> list[Any]:
+    def array(self, depth: int = 1) -> list[Any]:
+        if depth > _MAX_ARRAY_DEPTH:
+            raise _Corrupt(f"metadata arrays nested deeper than {_MAX_ARRAY_DEPTH} levels")
         vtype, count = self.scalar(4), self.scalar(10)
         if vtype in _NUMPY_TYPES:  # numeric arrays in one go (token types, scores)
             dtype = np.dtype(_NUMPY_TYPES[vtype])
             start = self.take(count * dtype.itemsize)
             return np.frombuffer(self.buf, dtype, count, start).tolist()
-        if count > len(self.buf):  # each item takes at least one byte
+        # A string takes at least its 8-byte length, an array its 12-byte header.
+        if count * (8 if vtype == _STRING else 12) > len(self.buf) - self.pos:
             raise _Corrupt(f"array of {count} items cannot fit in the file")
-        return [self.value(vtype) for _ in range(count)]
+        return [self.value(vtype, depth) for _ in range(count)]
 
 
 def _open(path: str | os.PathLike[str], with_tensors: bool) -> _GGUFFile:
@@ -174,6 +180,8 @@ def _parse_tensor_infos(cur: _Cursor, count: int, meta: dict[str, Any], size: in
     for _ in range(count):
         name = cur.string()
         n_dims = cur.scalar(4)
+        if n_dims > _MAX_DIMS:
+            raise _Corrupt(f"tensor {name!r} has {n_dims} dimensions (at most {_MAX_DIMS})")
         dims = [cur.scalar(10) for _ in range(n_dims)]
         type_id, offset = cur.scalar(4), cur.scalar(10)
         raw.append((name, dims, type_id, offset))
@@ -224,7 +232,7 @@ def _rope_scaling(meta: Mapping[str, Any], arch: str) -> dict | None:
     factor = meta.get(f"{arch}.rope.scaling.factor")
     if kind == "none" or factor is None or factor == 1.0:
         return None
-    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": check_number(factor, f"{arch}.rope.scaling.factor")}
     if kind == "linear":
         return scaling
     if kind == "yarn":
@@ -235,7 +243,7 @@ def _rope_scaling(meta: Mapping[str, Any], arch: str) -> dict | None:
         }
         for gguf_key, hf_key in extras.items():
             if (value := meta.get(f"{arch}.rope.scaling.{gguf_key}")) is not None:
-                scaling[hf_key] = value
+                scaling[hf_key] = check_number(value, f"{arch}.rope.scaling.{gguf_key}")
         return scaling
     raise ModelLoadError(f"unsupported rope scaling type {kind!r} in GGUF metadata")
 
@@ -252,18 +260,30 @@ def gguf_config(meta: Mapping[str, Any], tensor_shapes: Mapping[str, Sequence[in
         raise ModelLoadError(
             f"unsupported GGUF architecture {arch!r} (supported: {', '.join(_SUPPORTED_ARCHS)})"
         )
-    hidden = int(_arch_key(meta, arch, "embedding_length"))
-    n_heads = int(_arch_key(meta, arch, "attention.head_count"))
-    n_kv_heads = int(_arch_key(meta, arch, "attention.head_count_kv", n_heads))
-    head_dim = int(_arch_key(meta, arch, "attention.key_length", hidden // max(n_heads, 1)))
+
+    def size(key: str, default: Any = None) -> int:
+        return check_int(_arch_key(meta, arch, key, default), f"{arch}.{key}")
+
+    hidden = size("embedding_length")
+    n_heads = size("attention.head_count")
+    n_kv_heads = size("attention.head_count_kv", n_heads)
+    head_dim = size("attention.key_length", max(hidden // n_heads, 1))
+    if n_heads % n_kv_heads:
+        raise ModelLoadError(f"{arch}.attention.head_count {n_heads} is not a multiple of "
+                             f"{arch}.attention.head_count_kv {n_kv_heads}")
+    num_layers = size("block_count")
+    if tensor_shapes is not None:  # checked before anything loops over the layers
+        check_layer_count(num_layers, {int(m.group(1)) for name in tensor_shapes
+                                       if (m := _LAYER_TENSOR.fullmatch(name))}, f"{arch}.block_count")
 
     vocab = meta.get(f"{arch}.vocab_size")
-    if vocab is None and "tokenizer.ggml.tokens" in meta:
+    if vocab is None and isinstance(meta.get("tokenizer.ggml.tokens"), list):
         vocab = len(meta["tokenizer.ggml.tokens"])
     if vocab is None and tensor_shapes and "token_embd.weight" in tensor_shapes:
         vocab = tensor_shapes["token_embd.weight"][0]
     if vocab is None:
         raise ModelLoadError(f"GGUF metadata lacks {arch}.vocab_size and tokenizer.ggml.tokens")
+    vocab = check_int(vocab, f"{arch}.vocab_size")
 
     if tensor_shapes is None:
         tied, bias, qk_norm = False, arch == "qwen2", arch == "qwen3"
@@ -279,26 +299,27 @@ def gguf_config(meta: Mapping[str, Any], tensor_shapes: Mapping[str, Sequence[in
 
     extra = {"gguf_architecture": arch}
     if (rope_dim := meta.get(f"{arch}.rope.dimension_count")) is not None:
-        if rope_dim != head_dim:  # models/llama.py rotates the whole head
+        if check_int(rope_dim, f"{arch}.rope.dimension_count") != head_dim:  # models/llama.py rotates the whole head
             raise ModelLoadError(f"partial rotary embeddings ({rope_dim} of {head_dim} dims) are not supported")
         extra["rope_dimension_count"] = rope_dim
     return ModelConfig(
         architecture="mistral" if is_mistral else arch,
-        vocab_size=int(vocab),
+        vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(_arch_key(meta, arch, "feed_forward_length")),
-        num_layers=int(_arch_key(meta, arch, "block_count")),
+        intermediate_size=size("feed_forward_length"),
+        num_layers=num_layers,
         num_heads=n_heads,
         num_kv_heads=n_kv_heads,
         head_dim=head_dim,
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
+        rope_theta=check_number(meta.get(f"{arch}.rope.freq_base", 10000.0), f"{arch}.rope.freq_base"),
+        rms_norm_eps=check_number(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+                                  f"{arch}.attention.layer_norm_rms_epsilon", allow_zero=True),
+        max_position_embeddings=check_int(meta.get(f"{arch}.context_length", 2048), f"{arch}.context_length"),
         tie_word_embeddings=tied,
         attention_bias=bias,
         qk_norm=qk_norm,
         rope_scaling=_rope_scaling(meta, arch),
-        sliding_window=int(sliding_window) if sliding_window else None,
+        sliding_window=check_int(sliding_window, f"{arch}.attention.sliding_window") if sliding_window else None,
         extra=extra,
     )
 

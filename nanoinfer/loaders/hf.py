@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from ..config import ModelConfig
+from ..config import ModelConfig, check_int, check_layer_count, check_number
 from ..errors import ModelLoadError
 
 # HF class name -> our architecture name; all are served by models/llama.py.
@@ -18,40 +19,104 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
+# model_type -> our architecture name, for configs without `architectures` (transformers'
+# AutoModelForCausalLM picks the class from model_type alone).
+MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+_ROPE_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+_LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _architecture(raw: dict) -> str:
+    names = raw.get("architectures")
+    if names:
+        if not isinstance(names, list):
+            raise ModelLoadError(f"architectures must be a list of class names, got {names!r:.60}")
+        arch = next((ARCHITECTURES[n] for n in names if isinstance(n, str) and n in ARCHITECTURES), None)
+        if arch is None:
+            raise ModelLoadError(f"unsupported architecture {names!r:.80}; supported: {', '.join(ARCHITECTURES)}")
+        return arch
+    model_type = raw.get("model_type")
+    if model_type is None:
+        raise ModelLoadError("neither architectures nor model_type is given")
+    if model_type not in MODEL_TYPES:
+        raise ModelLoadError(f"unsupported model_type {model_type!r:.60} (no architectures given); "
+                             f"supported: {', '.join(MODEL_TYPES)}")
+    return MODEL_TYPES[model_type]
+
+
+def _dict(raw: dict, key: str) -> dict | None:
+    value = raw.get(key)
+    if value is not None and not isinstance(value, dict):
+        raise ModelLoadError(f"{key} must be an object or null, got {value!r:.40}")
+    return value
 
 
 def hf_config(raw: dict) -> ModelConfig:
-    names = raw.get("architectures") or []
-    arch = next((ARCHITECTURES[n] for n in names if n in ARCHITECTURES), None)
-    if arch is None:
-        raise ModelLoadError(f"unsupported architecture {names or raw.get('model_type')!r}; "
-                             f"supported: {', '.join(ARCHITECTURES)}")
+    """ModelConfig from a parsed config.json; a missing or implausible field is a ModelLoadError
+    that names it."""
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"config.json must hold a JSON object, not {type(raw).__name__}")
+    arch = _architecture(raw)
     if raw.get("mlp_bias"):
         raise ModelLoadError("mlp_bias=true is not supported")
-    heads = raw["num_attention_heads"]
+
+    def size(key: str, default: int | None = None) -> int:
+        value = raw.get(key)
+        if value is None:  # transformers treats null as absent too
+            if default is None:
+                raise ModelLoadError(f"missing field {key!r}")
+            return default
+        return check_int(value, key)
+
+    hidden, heads = size("hidden_size"), size("num_attention_heads")
+    kv_heads = size("num_key_value_heads", heads)
+    head_dim = size("head_dim", max(hidden // heads, 1))
+    if heads % kv_heads:
+        raise ModelLoadError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     # transformers 5 keeps rope facts in rope_parameters; older files use rope_theta + rope_scaling.
-    rope = dict(raw.get("rope_parameters") or {})
+    rope = dict(_dict(raw, "rope_parameters") or {})
     theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
-    scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    scaling = _dict(raw, "rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    for key in _ROPE_NUMBERS:
+        if scaling and key in scaling:
+            check_number(scaling[key], f"rope_scaling.{key}")
     window = raw.get("sliding_window") if arch == "mistral" or raw.get("use_sliding_window") else None
     return ModelConfig(
         architecture=arch,
-        vocab_size=raw["vocab_size"],
-        hidden_size=raw["hidden_size"],
-        intermediate_size=raw["intermediate_size"],
-        num_layers=raw["num_hidden_layers"],
+        vocab_size=size("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=size("intermediate_size"),
+        num_layers=size("num_hidden_layers"),
         num_heads=heads,
-        num_kv_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-        rope_theta=float(theta),
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rope_theta=check_number(theta, "rope_theta"),
+        rms_norm_eps=check_number(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps", allow_zero=True),
+        max_position_embeddings=check_int(raw.get("max_position_embeddings", 2048), "max_position_embeddings"),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
         qk_norm=arch == "qwen3",
         rope_scaling=scaling,
-        sliding_window=window,
+        sliding_window=None if window is None else check_int(window, "sliding_window"),
     )
+
+
+def _check_shapes(config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> None:
+    """config.json's sizes against the weights present, before any of them is loaded or sized
+    from the config (the rest of the layout is checked when the model takes the weights)."""
+    check_layer_count(config.num_layers, {int(m.group(1)) for k in shapes if (m := _LAYER_WEIGHT.match(k))},
+                      "num_hidden_layers")
+    h, hd = config.hidden_size, config.head_dim
+    expected = {
+        "model.embed_tokens.weight": ((config.vocab_size, h), "vocab_size, hidden_size"),
+        "model.layers.0.self_attn.q_proj.weight": ((config.num_heads * hd, h), "num_attention_heads, head_dim"),
+        "model.layers.0.self_attn.k_proj.weight": ((config.num_kv_heads * hd, h), "num_key_value_heads, head_dim"),
+        "model.layers.0.mlp.gate_proj.weight": ((config.intermediate_size, h), "intermediate_size"),
+    }
+    for name, (shape, fields) in expected.items():
+        if name in shapes and shapes[name] != shape:
+            raise ModelLoadError(f"{fields} in config.json imply {name} of shape {list(shape)}, "
+                                 f"the weights have {list(shapes[name])}")
 
 
 def load_hf_folder(path: Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -64,11 +129,22 @@ def load_hf_folder(path: Path, dtype: torch.dtype = torch.float32) -> tuple[Mode
         raise ModelLoadError(f"{config_file}: not valid JSON ({e})") from None
     try:
         config = hf_config(raw)
-    except KeyError as e:
-        raise ModelLoadError(f"{config_file}: missing field {e}") from None
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{config_file}: {e}") from None
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weights")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:  # the headers only
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                shapes.update((k, tuple(sf.get_slice(k).get_shape())) for k in sf.keys())
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ModelLoadError(f"{f}: corrupt safetensors file ({e})") from None
+    try:
+        _check_shapes(config, shapes)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{config_file}: {e}") from None
     state: dict[str, torch.Tensor] = {}
     for f in files:
         try:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..config import ModelConfig
+from ..config import ModelConfig, check_int
 from ..errors import InvalidRequestError, ModelLoadError
 from ..tokenizer_nanochat import NanochatTokenizer
 
@@ -200,7 +200,12 @@ def build_config(cfg: dict, state: dict[str, torch.Tensor], era_name: str,
     if unknown:
         raise InvalidRequestError(f"unknown nanochat override(s) {sorted(unknown)}; known: {', '.join(OVERRIDES)}")
     n_layer, n_head, n_embd, seq_len = cfg["n_layer"], cfg["n_head"], cfg["n_embd"], cfg["sequence_len"]
-    n_kv_head = cfg.get("n_kv_head") or n_head
+    n_kv_head = check_int(cfg.get("n_kv_head") or n_head, "model_config.n_kv_head")
+    # Before anything loops over the layers (fewer than the weights hold: _check_layout names the extra ones).
+    layers = {int(m.group(1)) for k in state if (m := re.match(r"transformer\.h\.(\d+)\.", k))}
+    if n_layer > len(layers):
+        raise ModelLoadError(f"model_config.n_layer {n_layer} is more than the {len(layers)} layers of weights "
+                             "in the file")
     if n_embd % n_head or n_head % n_kv_head:
         raise ModelLoadError(f"model_config: n_embd {n_embd}, n_head {n_head}, n_kv_head {n_kv_head} do not divide")
     for key in ("rope_theta", "qk_scale"):
@@ -214,6 +219,8 @@ def build_config(cfg: dict, state: dict[str, torch.Tensor], era_name: str,
     if not isinstance(max_pos, int) or not 0 < max_pos <= 10 * seq_len:
         raise InvalidRequestError(f"max_position_embeddings must be in [1, {10 * seq_len}] (10x sequence_len, "
                                   f"nanochat's rotary table), got {max_pos!r}")
+    pos_field = "max_position_embeddings" if "max_position_embeddings" in overrides else "model_config.sequence_len"
+    check_int(max_pos, pos_field)
     wte = state.get("transformer.wte.weight")
     if wte is None or wte.dim() != 2 or wte.shape[0] < cfg["vocab_size"]:
         raise ModelLoadError("unknown tensor layout: transformer.wte.weight missing or smaller than vocab_size")

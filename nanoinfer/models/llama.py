@@ -3,8 +3,8 @@
 One module serves them all; the differences are flags on ModelConfig. Weights use
 Hugging Face names and layouts, so a state dict from any loader drops in as is.
 
-The forward takes a flat run of tokens with their positions and an attention
-backend that owns the KV cache; it never sees requests or scheduling.
+The forward takes one ForwardBatch: a flat run of tokens with their positions and an
+attention backend that owns the KV cache; it never sees requests or scheduling.
 """
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import math
 import torch
 from torch import nn
 
-from .. import layer_ops
-from ..attention import AttentionBackend, CausalAttention
 from ..config import ModelConfig
+from ..kernels import layer_ops
+from .batch import ForwardBatch
+from .rotary import RotaryTable
 
 
 class RMSNorm(nn.Module):
@@ -68,7 +69,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         T, H, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
         v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
@@ -77,7 +78,7 @@ class Attention(nn.Module):
             q, k = layer_ops.rope(self.q_norm(q)[0], cos, sin), layer_ops.rope(self.k_norm(k)[0], cos, sin)
         else:  # q and k side by side: one rotation for both (half the ops)
             q, k = layer_ops.rope(qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D), cos, sin).split((H, Hkv), dim=1)
-        out = attn.attend(self.layer, q, k, v)
+        out = batch.attend(self.layer, q, k, v)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
 
@@ -122,12 +123,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, residual, cos, sin, attn):
+    def forward(self, x, residual, cos, sin, batch: ForwardBatch):
         """x: the previous layer's output (the embeddings, with residual None, for the first);
         residual: the stream it adds to. Returns this layer's output and the stream, whose
         sum the next norm takes in one pass (vLLM's fused add + RMSNorm)."""
         h, residual = self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(h, cos, sin, attn), residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, cos, sin, batch), residual)
         return self.mlp(h), residual
 
 
@@ -149,17 +150,13 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
-        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self.rotary = RotaryTable(rope_inv_freq(config), config.max_position_embeddings)
         self.reset_rope()
 
     def reset_rope(self) -> None:
-        """cos/sin for every position the model may see, in fp32 whatever the weights' dtype.
-        Call again after moving the model (to_empty / .to(dtype) touch buffers too)."""
-        device = self.model.norm.weight.device
-        pos = torch.arange(self.config.max_position_embeddings, dtype=torch.float32, device=device)
-        freqs = torch.outer(pos, rope_inv_freq(self.config).to(device))
-        self.rope_cos, self.rope_sin = freqs.cos(), freqs.sin()
+        """Empty rotary tables on the model's device (they grow with the positions served).
+        Call again after moving the model: to_empty / .to(dtype) touch buffers too."""
+        self.rotary.reset(rope_inv_freq(self.config), self.model.norm.weight.device)
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Take the tensors as they are (no copy): the model may have been built on the meta device."""
@@ -174,25 +171,16 @@ class LlamaForCausalLM(nn.Module):
         if tie:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn: AttentionBackend | None = None,
-        logits_indices: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """input_ids, positions: [T]. Returns fp32 logits for the rows in logits_indices
-        (all T rows when None): the LM head is the largest matmul, so prefill asks only
-        for the positions that sample."""
-        if attn is None:
-            attn = CausalAttention(self.config.windows())
-        x = self.model.embed_tokens(input_ids)
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Returns fp32 logits for the rows in batch.logits_indices (all rows when None): the
+        LM head is the largest matmul, so prefill asks only for the positions that sample."""
+        batch = batch.resolved(self.config)
+        x = self.model.embed_tokens(batch.input_ids)
         dtype = x.dtype
-        cos = self.rope_cos[positions].unsqueeze(1).to(dtype)
-        sin = self.rope_sin[positions].unsqueeze(1).to(dtype)
+        cos, sin = self.rotary(batch.positions, dtype)
         residual = None
         for layer in self.model.layers:
-            x, residual = layer(x, residual, cos, sin, attn)
-        if logits_indices is not None:
-            x, residual = x[logits_indices], residual[logits_indices]
+            x, residual = layer(x, residual, cos, sin, batch)
+        if batch.logits_indices is not None:
+            x, residual = x[batch.logits_indices], residual[batch.logits_indices]
         return self.lm_head(self.model.norm(x, residual)[0]).float()

@@ -12,9 +12,9 @@ from the state dict and writes the facts into `config.extra`:
   smear_channels, backout_layer, lambdas (bool).
 State-dict keys are nanochat's own, so a checkpoint loads 1:1.
 
-The forward is per token, like LlamaForCausalLM's: a flat run of tokens (one or several
-sequences, or chunks of them), their positions, and an attention backend that separates
-the sequences. The one cross-token operation outside attention, the smear, gets the
+The forward is per token, like LlamaForCausalLM's: one ForwardBatch, a flat run of tokens
+(one or several sequences, or chunks of them), their positions, and an attention backend
+that separates the sequences. The one cross-token operation outside attention, the smear, gets the
 previous token of each position as an id (`prev_ids`), so it needs no state of its own.
 """
 from __future__ import annotations
@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import AttentionBackend, CausalAttention
 from ..config import ModelConfig
+from .batch import ForwardBatch
+from .rotary import RotaryTable
 
 
 def norm(x: torch.Tensor) -> torch.Tensor:
@@ -70,7 +71,7 @@ class CausalSelfAttention(nn.Module):
             self.ve_gate = None
 
     def forward(self, x: torch.Tensor, ve: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                attn: AttentionBackend) -> torch.Tensor:
+                batch: ForwardBatch) -> torch.Tensor:
         T = x.shape[0]
         q = self.c_q(x).view(T, self.n_head, self.head_dim)
         k = self.c_k(x).view(T, self.n_kv_head, self.head_dim)
@@ -83,7 +84,7 @@ class CausalSelfAttention(nn.Module):
         q, k = norm(q), norm(k)
         if self.qk_scale != 1.0:
             q, k = q * self.qk_scale, k * self.qk_scale
-        out = attn.attend(self.layer, q, k, v)
+        out = batch.attend(self.layer, q, k, v)
         return self.c_proj(out.reshape(T, self.n_head * self.head_dim))
 
 
@@ -103,8 +104,8 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config, layer)
         self.mlp = MLP(config)
 
-    def forward(self, x, ve, cos, sin, attn):
-        x = x + self.attn(norm(x), ve, cos, sin, attn)
+    def forward(self, x, ve, cos, sin, batch: ForwardBatch):
+        x = x + self.attn(norm(x), ve, cos, sin, batch)
         return x + self.mlp(norm(x))
 
 
@@ -148,20 +149,19 @@ class NanochatGPT(nn.Module):
         # The runner computes prev_ids only for models that ask; only the smear needs them.
         self.needs_prev_ids = self.smear_gate is not None
 
-        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
-        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self.rotary = RotaryTable(self._inv_freq("cpu"), config.max_position_embeddings)
         self.reset_rope()
 
-    def reset_rope(self) -> None:
-        """fp32 cos/sin for every position served (nanochat's own table covers 10x
-        sequence_len; ours covers max_position_embeddings, which the loader bounds by that).
-        Call again after moving the model: to_empty / .to(dtype) touch buffers too."""
-        device = self.lm_head.weight.device
+    def _inv_freq(self, device) -> torch.Tensor:
         dim = self.config.head_dim
-        inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
-        pos = torch.arange(self.config.max_position_embeddings, dtype=torch.float32, device=device)
-        freqs = torch.outer(pos, inv_freq)
-        self.rope_cos, self.rope_sin = freqs.cos(), freqs.sin()
+        return 1.0 / (self.config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+
+    def reset_rope(self) -> None:
+        """Empty fp32 rotary tables on the model's device; they grow with the positions served,
+        up to max_position_embeddings (nanochat's own table covers 10x sequence_len; the loader
+        bounds ours by that). Call again after moving the model."""
+        device = self.lm_head.weight.device
+        self.rotary.reset(self._inv_freq(device), device)
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Take the tensors as they are (no copy): the model may have been built on the meta
@@ -179,39 +179,30 @@ class NanochatGPT(nn.Module):
         smeared = (x + gate * x_prev).to(x.dtype)
         return torch.where((prev_ids >= 0).unsqueeze(1), smeared, x)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn: AttentionBackend | None = None,
-        logits_indices: torch.Tensor | None = None,
-        prev_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """input_ids, positions, prev_ids: [T] (prev_ids: each token's predecessor in its own
-        sequence, -1 at position 0; derived from input_ids when None and the run is whole
-        sequences). Returns fp32 soft-capped logits [rows, vocab_size] for logits_indices
-        (all T rows when None)."""
-        if attn is None:
-            attn = CausalAttention(self.config.windows())
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """batch.prev_ids: each token's predecessor in its own sequence, -1 at position 0;
+        derived from input_ids when None and the run is whole sequences. Returns fp32
+        soft-capped logits [rows, vocab_size] for batch.logits_indices (all rows when None)."""
+        batch = batch.resolved(self.config)
+        input_ids, positions, prev_ids = batch.input_ids, batch.positions, batch.prev_ids
         x = norm(self.transformer.wte(input_ids))
         dtype = x.dtype
         if self.smear_gate is not None:
             x = self._smear(x, previous_ids(input_ids, positions) if prev_ids is None else prev_ids)
         x0 = x
-        cos = self.rope_cos[positions].unsqueeze(1).to(dtype)
-        sin = self.rope_sin[positions].unsqueeze(1).to(dtype)
+        cos, sin = self.rotary(positions, dtype)
         x_backout = None
         for i, block in enumerate(self.transformer.h):
             if self.resid_lambdas is not None:
                 x = (self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0).to(dtype)
             key = str(i)
             ve = self.value_embeds[key](input_ids) if self.value_embeds is not None and key in self.value_embeds else None
-            x = block(x, ve, cos, sin, attn)
+            x = block(x, ve, cos, sin, batch)
             if i == self.backout_layer:
                 x_backout = x
-        if logits_indices is not None:
-            x = x[logits_indices]
-            x_backout = x_backout[logits_indices] if x_backout is not None else None
+        if batch.logits_indices is not None:
+            x = x[batch.logits_indices]
+            x_backout = x_backout[batch.logits_indices] if x_backout is not None else None
         if x_backout is not None:
             # Take back part of the mid-network state: it helped the middle layers, not the head.
             x = (x - self.backout_lambda * x_backout).to(dtype)

@@ -5,8 +5,11 @@ chat page, in front of one engine on its own thread.
     serve(engine, config, host, port)  ->  runs it under uvicorn until SIGINT/SIGTERM
 
 Shutdown is graceful: uvicorn stops accepting connections and gives in-flight requests
-`config.shutdown_timeout` seconds, then cancels them (each cancel aborts its engine request);
-the lifespan's exit then stops and joins the engine thread.
+`config.shutdown_timeout` seconds; then their engine requests are aborted, so each ends as if it
+had finished (finish_reason "abort", streams with `data: [DONE]`), and only a request still
+running _ABORT_GRACE seconds later is cancelled. The lifespan's exit then stops and joins the
+engine thread. A connection that has not sent a request's headers within `config.header_timeout`
+seconds is closed.
 """
 from __future__ import annotations
 
@@ -17,10 +20,13 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
+import h11
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..async_engine import AsyncEngine
 from ..engine import LLMEngine
@@ -28,11 +34,12 @@ from ..errors import InvalidRequestError
 from .metrics import ServerMetrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                        message_dicts, parse_request)
-from .serving import ClientGone, ServerConfig, Serving
+from .serving import ClientGone, ServerConfig, Serving, as_api_error
 
 logger = logging.getLogger("nanoinfer.server")
 STATIC = Path(__file__).parent / "static"
 _DRAIN_LIMIT = 64 << 20  # an oversized body is read (and dropped) up to this, so the 413 reaches the client
+_ABORT_GRACE = 3.0  # seconds aborted requests get to send their last chunks before uvicorn cancels them
 
 
 class SSEResponse(StreamingResponse):
@@ -118,9 +125,8 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception):
-        logger.exception("internal error on %s", request.url.path)
-        return JSONResponse(APIError(f"internal error: {type(e).__name__}", status=500, type="server_error").body(),
-                            status_code=500)
+        error = as_api_error(e)
+        return JSONResponse(error.body(), status_code=error.status)
 
     async def body(request: Request, model):
         return parse_request(model, await read_body(request, config.max_request_bytes))
@@ -174,16 +180,17 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
             raise APIError("give either prompt or messages", "prompt")
         try:
             if req.prompt is not None:
-                ids = await serving.encode(tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
+                ids = await serving.encode(tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens,
+                                           parse_special=req.parse_special is not False)
             else:
                 if not req.messages:
                     raise APIError("messages must be a non-empty list", "messages")
                 tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
                 ids = await serving.encode(tokenizer.encode_chat, message_dicts(req.messages),
                                            add_generation_prompt=req.add_generation_prompt, tools=tools,
-                                           **(req.chat_template_kwargs or {}))
+                                           parse_special=req.parse_special is True, **(req.chat_template_kwargs or {}))
         except InvalidRequestError as e:
-            raise APIError(str(e), "prompt" if req.prompt is not None else "messages") from None
+            raise APIError(str(e), e.param or ("prompt" if req.prompt is not None else "messages")) from None
         except TypeError as e:
             raise APIError(f"chat_template_kwargs: {e}", "chat_template_kwargs") from None
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
@@ -205,9 +212,63 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     return app
 
 
+class HeaderTimeoutH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol that closes a connection which has not sent a whole request's headers
+    `header_timeout` seconds after connecting or after its last response. (uvicorn's keep-alive
+    timer is reset by every byte received, so a client trickling headers held a connection forever.)"""
+
+    header_timeout: float = 10.0
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE and self._header_timer is not None:  # the headers are in
+            self._header_timer.cancel()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm_header_timer()  # for the next request on this connection
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        super().connection_lost(exc)
+
+    def _arm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        self._header_timer = self.loop.call_later(self.header_timeout, self._header_timeout_expired)
+
+    def _header_timeout_expired(self) -> None:
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, aborting the engine requests still running `abort_after` seconds into
+    its graceful shutdown, so that they end as the README promises rather than being cancelled."""
+
+    def __init__(self, config: uvicorn.Config, async_engine: AsyncEngine, abort_after: float):
+        super().__init__(config)
+        self.async_engine, self.abort_after = async_engine, abort_after
+
+    async def shutdown(self, sockets=None) -> None:
+        timer = asyncio.get_running_loop().call_later(self.abort_after, self.async_engine.abort_all)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+
 def serve(engine: LLMEngine, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
           log_level: str = "info") -> None:
-    import uvicorn
-
     app = create_app(engine, config)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=config.shutdown_timeout)
+    protocol = type("HeaderTimeoutH11Protocol", (HeaderTimeoutH11Protocol,), {"header_timeout": config.header_timeout})
+    uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
+                               timeout_graceful_shutdown=config.shutdown_timeout + _ABORT_GRACE)
+    _Server(uv_config, app.state.async_engine, config.shutdown_timeout).run()

@@ -43,13 +43,17 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     lim = p.add_argument_group("request limits")
     lim.add_argument("--max-n", type=_positive, default=16, help="largest n (default 16)")
     lim.add_argument("--max-tokens-limit", type=_positive, default=None,
-                     help="largest max_tokens; also the default for chat (default: only the context window)")
+                     help="largest max_tokens; also chat's default, and the cap of completions' 16 "
+                          "(default: only the context window)")
     lim.add_argument("--max-prompts", type=_positive, default=64,
                      help="most prompts in one /v1/completions request (default 64)")
     lim.add_argument("--max-request-bytes", type=_size, default=1 << 20,
                      help="largest request body; larger gets 413 (default 1M)")
     lim.add_argument("--shutdown-timeout", type=float, default=5.0,
-                     help="seconds in-flight requests get to finish on SIGINT/SIGTERM (default 5)")
+                     help="seconds in-flight requests get to finish on SIGINT/SIGTERM; then they are aborted "
+                          "(default 5)")
+    lim.add_argument("--header-timeout", type=float, default=10.0,
+                     help="seconds a connection gets to send a request's headers before it is closed (default 10)")
     eng = p.add_argument_group("engine")
     eng.add_argument("--max-num-seqs", type=_positive, default=64, help="sequences in one batch (default 64)")
     eng.add_argument("--max-num-batched-tokens", type=_positive, default=512,
@@ -87,7 +91,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
           f"on http://{a.host}:{a.port}]", file=sys.stderr, flush=True)
     config = ServerConfig(model_name=name, max_n=a.max_n, max_tokens_limit=a.max_tokens_limit,
                           max_request_bytes=a.max_request_bytes, max_prompts=a.max_prompts,
-                          shutdown_timeout=a.shutdown_timeout)
+                          shutdown_timeout=a.shutdown_timeout, header_timeout=a.header_timeout)
     # uvicorn shuts down gracefully on SIGTERM, then raises it again for the previous handler:
     # make that an ordinary exit (status 0) rather than death by signal.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

@@ -3,15 +3,20 @@
 Requests are pydantic models in strict mode: a number where a string belongs (or "1" where a
 number belongs, or true where an integer belongs) is refused, not coerced. Fields this server
 does not know are ignored, as OpenAI's own SDK sends a few. Ranges (temperature, top_p, ...)
-are checked once, by SamplingParams, and its error names the field.
+are checked once, by SamplingParams, and its error names the field. A body nested deeper than
+MAX_JSON_DEPTH, or with a lone UTF-16 surrogate in a string, is refused before it is parsed.
 """
 from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal
+from itertools import accumulate
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidationError
+
+MAX_JSON_DEPTH = 128  # nesting levels of a request body (serde_json's limit); deeper is a 400
 
 
 class APIError(Exception):
@@ -63,6 +68,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
+    parse_special: bool = True  # special-token text in the prompt ("<|fim_prefix|>") becomes the token
 
 
 class ContentPart(Strict):
@@ -119,6 +125,7 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | dict | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
+    parse_special: bool = False  # special-token text in messages becomes the token (default: stays text)
 
 
 class TokenizeRequest(Strict):
@@ -129,6 +136,7 @@ class TokenizeRequest(Strict):
     add_generation_prompt: bool = True  # with `messages`
     tools: list[ToolDef] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    parse_special: bool | None = None  # default: as completions (prompt) or chat (messages) do
 
 
 class DetokenizeRequest(Strict):
@@ -157,10 +165,77 @@ def _param(loc: tuple) -> tuple[str | None, list[str]]:
     return "".join(parts) or None, tags
 
 
+_JSON_STRING = r'"[^"\\]*(?:\\.[^"\\]*)*"'
+_JSON_TOKEN = re.compile(_JSON_STRING + r"|[\[\]{},:]")  # strings whole, so brackets in them do not count
+_STRINGS, _NOT_BRACKETS = re.compile(_JSON_STRING), re.compile(r"[^\[\]{}]+")
+_DEPTH_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _field_path(model: type[BaseModel], path: list) -> str | None:
+    """The leading part of a JSON path that names request fields, as OpenAI's `param`:
+    ["tools", 0, "function", "parameters", "a", ...] -> "tools[0].function.parameters" (below
+    that is the caller's free-form JSON)."""
+    parts: list[str] = []
+    types: list = [model]
+    for item in path:
+        inner = []
+        for t in types:
+            if isinstance(item, int) and get_origin(t) is list:
+                inner.append(get_args(t)[0])
+            elif isinstance(item, str) and isinstance(t, type) and issubclass(t, BaseModel) and item in t.model_fields:
+                inner.append(t.model_fields[item].annotation)
+        types = [a for t in inner for a in (get_args(t) if get_origin(t) in (Union, UnionType) else (t,))]
+        if not types:
+            break
+        parts.append(f"[{item}]" if isinstance(item, int) else ("." if parts else "") + item)
+    return "".join(parts) or None
+
+
+def _check_json(model: type[BaseModel], text: str) -> None:
+    """Refuse what json.loads would choke on, or accept but nothing after it could use: nesting
+    deeper than MAX_JSON_DEPTH (a RecursionError) and a lone UTF-16 surrogate escape ("\\ud800":
+    no UTF-8 encoding, so no tokenizer takes it). A fast look first; only a suspect body is walked
+    token by token to name the field."""
+    brackets = _NOT_BRACKETS.sub("", _STRINGS.sub("", text))
+    deep = len(brackets) > MAX_JSON_DEPTH and max(accumulate(map(_DEPTH_STEP.__getitem__, brackets))) > MAX_JSON_DEPTH
+    if not deep and not _SURROGATE_ESCAPE.search(text):
+        return
+    path: list = []  # the key or index within each open container
+    last_string = None
+    for m in _JSON_TOKEN.finditer(text):
+        t = m.group()
+        if t in ("[", "{"):
+            if len(path) >= MAX_JSON_DEPTH:
+                param = _field_path(model, path)
+                raise APIError(f"{param or 'the request body'}: nested more than {MAX_JSON_DEPTH} levels deep", param)
+            path.append(0 if t == "[" else None)
+        elif t in ("]", "}"):
+            if path:
+                path.pop()
+        elif t == ",":
+            if path and isinstance(path[-1], int):
+                path[-1] += 1
+        elif t == ":":
+            if path:
+                path[-1] = last_string
+        else:
+            last_string = t[1:-1]
+            if _SURROGATE_ESCAPE.search(t):
+                try:
+                    json.loads(t).encode("utf-8")
+                except ValueError:  # UnicodeEncodeError is one
+                    param = _field_path(model, path)
+                    raise APIError(f"{param or 'the request body'}: a lone UTF-16 surrogate (\\ud800-\\udfff) "
+                                   "is not valid Unicode", param) from None
+
+
 def parse_request(model: type[Strict], body: bytes) -> Any:
     """Body bytes -> a request model, or APIError(400) naming the first bad field."""
     try:
-        data = json.loads(body)
+        text = body.decode("utf-8")
+        _check_json(model, text)
+        data = json.loads(text)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(f"the request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):

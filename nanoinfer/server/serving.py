@@ -9,7 +9,7 @@ the request and frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
-import re
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -17,13 +17,14 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from ..async_engine import AsyncEngine
-from ..errors import InvalidRequestError
+from ..errors import InvalidRequestError, RequestFailedError
 from ..sampling import SamplingParams
-from ..sequence import RequestOutput, StreamDelta
+from ..engine.sequence import RequestOutput, StreamDelta
 from .outputs import CompletionLogprobs, TokenText, chat_logprobs, sse, usage
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, message_dicts
 from .tool_calls import ToolCallParser, parse_tool_calls
 
+logger = logging.getLogger("nanoinfer.server")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default; chat's default is "until the context is full"
 LONG_TEXT = 20_000  # characters: tokenize in a thread past this, so the event loop stays responsive
 
@@ -36,6 +37,7 @@ class ServerConfig:
     max_request_bytes: int = 1 << 20
     max_prompts: int = 64  # prompts in one /v1/completions request
     shutdown_timeout: float = 5.0  # seconds in-flight requests get to finish on SIGINT/SIGTERM
+    header_timeout: float = 10.0  # seconds a connection gets to send a request's headers
 
 
 class ClientGone(Exception):
@@ -69,7 +71,9 @@ class Serving:
             raise APIError(str(e), param) from None
 
     def sampling_params(self, req: SamplingFields, *, max_tokens: int | None, max_tokens_param: str,
-                        logprobs: int | None, logprobs_param: str) -> SamplingParams:
+                        logprobs: int | None, logprobs_param: str,
+                        default_max_tokens: int | None = None) -> SamplingParams:
+        """`max_tokens` as the request gave it (None: absent); the default is clamped to the limit."""
         cfg = self.config
         if req.n > cfg.max_n:
             raise APIError(f"n={req.n} is over this server's limit of {cfg.max_n}", "n")
@@ -77,8 +81,8 @@ class Serving:
         if max_tokens is not None and limit is not None and max_tokens > limit:
             raise APIError(f"{max_tokens_param}={max_tokens} is over this server's limit of {limit}",
                            max_tokens_param)
-        if max_tokens is None and limit is not None:
-            max_tokens = limit
+        if max_tokens is None:
+            max_tokens = default_max_tokens if limit is None else min(default_max_tokens or limit, limit)
         opt = lambda value, default: default if value is None else value  # noqa: E731
         try:
             return SamplingParams(
@@ -90,11 +94,12 @@ class Serving:
                 ignore_eos=req.ignore_eos, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
             )
         except InvalidRequestError as e:
-            # SamplingParams' messages start with the field's name: "top_p=2.0 must be in (0, 1]"
-            m = re.match(r"(\w+)=", str(e))
-            name = m.group(1) if m else None
+            # SamplingParams' field names -> this request's: "max_tokens=0 ..." -> "max_completion_tokens=0 ..."
+            name = e.param
             param = {"max_tokens": max_tokens_param, "logprobs": logprobs_param}.get(name, name)
-            message = str(e) if name == param or param is None else f"{param}{str(e)[len(name):]}"
+            message = str(e)
+            if name and param != name and message.startswith(name):
+                message = param + message[len(name):]
             raise APIError(message, param) from None
 
     async def encode(self, fn, *args, **kwargs) -> list[int]:
@@ -118,12 +123,10 @@ class Serving:
                     async for item in stream:
                         queue.put_nowait((i, item))
                 queue.put_nowait((i, done))
-            except InvalidRequestError as e:  # the engine refused the request
-                queue.put_nowait((i, APIError(str(e))))
             except RuntimeError as e:  # the engine is shutting down
                 queue.put_nowait((i, APIError(str(e), status=503, type="server_error")))
-            except Exception as e:  # a bug: handed to the consumer, which raises it (500)
-                queue.put_nowait((i, e))
+            except Exception as e:  # refused (400), or failed inside the engine (500): the consumer raises it
+                queue.put_nowait((i, as_api_error(e)))
 
         if not self.engine.thread.is_alive():
             raise APIError("the engine is not running", status=503, type="server_error")
@@ -169,10 +172,10 @@ class Serving:
     # --- /v1/completions --------------------------------------------------------------
     async def completions(self, req: CompletionRequest, request):
         self.check_model(req.model)
-        prompts = await self.completion_prompts(req.prompt)
-        params = self.sampling_params(
-            req, max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens,
-            max_tokens_param="max_tokens", logprobs=req.logprobs, logprobs_param="logprobs")
+        prompts = await self.completion_prompts(req.prompt, req.parse_special)
+        params = self.sampling_params(req, max_tokens=req.max_tokens, max_tokens_param="max_tokens",
+                                      default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs=req.logprobs,
+                                      logprobs_param="logprobs")
         if req.echo:
             for p in prompts:
                 if p.text is None:
@@ -198,7 +201,7 @@ class Serving:
             "choices": choices, "usage": self._usage(finals),
         }
 
-    async def completion_prompts(self, prompt) -> list[Prompt]:
+    async def completion_prompts(self, prompt, parse_special: bool = True) -> list[Prompt]:
         if isinstance(prompt, str):
             prompt = [prompt]
         elif prompt and all(isinstance(t, int) for t in prompt):
@@ -211,7 +214,7 @@ class Serving:
         out = []
         for p in prompt:
             if isinstance(p, str):
-                out.append(Prompt(p, await self.encode(self.tokenizer.encode, p)))
+                out.append(Prompt(p, await self.encode(self.tokenizer.encode, p, parse_special=parse_special)))
             else:
                 out.append(Prompt(None, list(p)))
             self.validate_prompt(out[-1].ids, "prompt")
@@ -256,8 +259,8 @@ class Serving:
                         yield chunk(index, text, lp, item.finish_reason if item.finished else None)
             if include_usage:
                 yield sse({**base, "choices": [], "usage": self._usage(finals)})
-        except (APIError, InvalidRequestError, RuntimeError) as e:
-            yield sse(error_body(e))
+        except Exception as e:  # whatever went wrong, the stream ends with an error event and [DONE]
+            yield sse(as_api_error(e).body())
         yield sse("[DONE]")
 
     # --- /v1/chat/completions ---------------------------------------------------------
@@ -288,10 +291,10 @@ class Serving:
                                       logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                       logprobs_param="top_logprobs")
         try:
-            ids = await self.encode(self.tokenizer.encode_chat, messages, tools=tools,
+            ids = await self.encode(self.tokenizer.encode_chat, messages, tools=tools, parse_special=req.parse_special,
                                     **(req.chat_template_kwargs or {}))
         except InvalidRequestError as e:
-            raise APIError(str(e), "messages") from None
+            raise APIError(str(e), e.param or "messages") from None
         except TypeError as e:  # chat_template_kwargs tried to set messages/tools/add_generation_prompt
             raise APIError(f"chat_template_kwargs: {e}", "chat_template_kwargs") from None
         self.validate_prompt(ids, "messages")
@@ -387,8 +390,8 @@ class Serving:
                             yield s
             if include_usage and out is not None:
                 yield sse({**base, "choices": [], "usage": self._usage([out])})
-        except (APIError, InvalidRequestError, RuntimeError) as e:
-            yield sse(error_body(e))
+        except Exception as e:  # whatever went wrong, the stream ends with an error event and [DONE]
+            yield sse(as_api_error(e).body())
         yield sse("[DONE]")
 
     # --- helpers ----------------------------------------------------------------------
@@ -406,9 +409,14 @@ async def wait_for_disconnect(request) -> None:
         pass
 
 
-def error_body(e: Exception) -> dict:
+def as_api_error(e: Exception) -> APIError:
+    """What the client is told: its own mistake (400), the failure of its request inside the engine
+    (500; the engine logged it), or an unexpected error (500, logged here; the message names no internals)."""
     if isinstance(e, APIError):
-        return e.body()
+        return e
     if isinstance(e, InvalidRequestError):
-        return APIError(str(e)).body()
-    return APIError(str(e), status=503, type="server_error").body()
+        return APIError(str(e), e.param)
+    if isinstance(e, RequestFailedError):
+        return APIError(str(e), status=500, type="server_error")
+    logger.error("internal error", exc_info=e)
+    return APIError(f"internal error: {type(e).__name__}", status=500, type="server_error")

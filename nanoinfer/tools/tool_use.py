@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .tools import TOOLS, Tool
+from .calculator import TOOLS, Tool
 
 
 @dataclass(frozen=True)

@@ -18,15 +18,16 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .errors import InvalidRequestError, RequestFailedError
-from .kv_cache import BlockManager, PagedKVCache
-from .loaders import LoadedModel
+from ..attention import PagedKVCache
+from ..errors import InvalidRequestError, RequestFailedError
+from ..loaders import LoadedModel
+from ..sampling import RowSampler, SamplingParams
+from ..tokenizer import IncrementalDetokenizer, StopMatcher
+from ..tools.tool_use import ToolUseState, bind_tools
+from .kv_manager import BlockManager
 from .runner import ModelRunner
-from .sampling import RowSampler, SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import ForwardStat, RequestOutput, Sequence, StreamDelta
-from .tokenizer import IncrementalDetokenizer, StopMatcher
-from .tool_use import ToolUseState, bind_tools
 
 
 @dataclass
@@ -41,13 +42,6 @@ class EngineConfig:
 
 
 logger = logging.getLogger("nanoinfer.engine")
-
-
-@dataclass
-class StepStats:
-    num_seqs: int
-    num_tokens: int
-    seconds: float
 
 
 class LLMEngine:
@@ -72,7 +66,7 @@ class LLMEngine:
         self.tools = bind_tools(self.tokenizer) if config.enable_tools else []
         self.requests: dict[str, list[Sequence]] = {}
         self.failures: dict[str, RequestFailedError] = {}  # requests ended by an internal error, until taken
-        self.last_step: StepStats | None = None
+        self.last_step_tokens = 0
         self.total_steps = 0
         self.total_step_tokens = 0
 
@@ -159,7 +153,7 @@ class LLMEngine:
         # any device. The copy also waits for the device, so `seconds` is the real step time.
         logits = logits.cpu()
         seconds = time.perf_counter() - t0
-        self.last_step = StepStats(len(batch), batch.total_tokens, seconds)
+        self.last_step_tokens = batch.total_tokens
         self.total_steps += 1
         self.total_step_tokens += batch.total_tokens
         self.scheduler.update_after_forward(batch)
@@ -233,5 +227,5 @@ class LLMEngine:
             "prefix_cache_hit_rate": b.stats.hit_rate,
             "steps": self.total_steps,
             "tokens_per_step": self.total_step_tokens / self.total_steps if self.total_steps else 0.0,
-            "last_step_tokens": self.last_step.num_tokens if self.last_step else 0,
+            "last_step_tokens": self.last_step_tokens,
         }

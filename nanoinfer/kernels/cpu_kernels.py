@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .user_cache import user_cache_dir
+from ..user_cache import user_cache_dir
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("paged_attention.cpp", "packed_gemm.cpp", "layer_ops.cpp")]
@@ -112,7 +112,7 @@ def library() -> ctypes.CDLL | None:
         return None
     p, i = ctypes.c_void_p, ctypes.c_int64
     for name in DECODE_ENTRY_POINTS.values():
-        getattr(lib, name).argtypes = [p, p, p, p, p, i, p, p, i, i, i, i, i, i, i]
+        getattr(lib, name).argtypes = [p, p, p, p, p, i, p, p, i, i, i, i, i, i, i, ctypes.c_float, ctypes.c_float]
         getattr(lib, name).restype = ctypes.c_int
     lib.linear_packed_f32.argtypes = [p, p, p, p, i, i, i]
     lib.linear_packed_f32.restype = None
@@ -131,9 +131,10 @@ def decode_supported(cache: torch.Tensor) -> bool:
 
 def paged_decode(q: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, tables: torch.Tensor, ctx: torch.Tensor, max_ctx: int,
-                 window: int | None) -> None:
+                 window: int | None, scale: float, softcap: float | None = None) -> None:
     """out[rows[b]] = attention of q[rows[b]] over the first ctx[b] keys of sequence b's
-    blocks (the last `window` of them with a sliding window).
+    blocks (the last `window` of them with a sliding window); scores q.k * scale, soft-capped
+    to softcap * tanh(s / softcap) when softcap is set.
 
     q, out: [T, H, D]; rows: [B] int64; k_cache, v_cache: one layer, [blocks, block_size,
     Hkv, D]; tables: [B, width] int64; ctx: [B] (or [B, 1]) int64; max_ctx >= ctx.max()."""
@@ -145,7 +146,7 @@ def paged_decode(q: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, k_cache
     B, width = tables.shape
     failed = getattr(library(), DECODE_ENTRY_POINTS[q.dtype])(
         q.data_ptr(), rows.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), width,
-        ctx.data_ptr(), out.data_ptr(), B, H, Hkv, D, bs, window or 0, max_ctx)
+        ctx.data_ptr(), out.data_ptr(), B, H, Hkv, D, bs, window or 0, max_ctx, scale, softcap or 0.0)
     if failed:
         raise MemoryError(f"paged decode attention: no memory for {H} x {max_ctx} scores per thread")
 

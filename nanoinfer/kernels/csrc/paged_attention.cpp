@@ -12,7 +12,8 @@
 //   tables    [B, width]            block ids of each sequence, in order
 //   ctx       [B]                   keys each sequence attends over (its position + 1)
 // Query head h reads kv head h / (H / Hkv) (grouped-query attention). window > 0 keeps
-// only the last `window` keys (sliding window). Softmax scale: 1 / sqrt(D).
+// only the last `window` keys (sliding window). Scores are q.k * scale, then, with softcap > 0,
+// softcap * tanh(score / softcap) (Gemma 2's attention soft-capping).
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -60,7 +61,8 @@ inline void for_each_row(const T* cache, const int64_t* table, int64_t t0, int64
 // sequence split over threads are merged first). D_ > 0 fixes the head size at compile time.
 template <typename T, int D_>
 void attend_part(const float* qf, const T* k, const T* v, const int64_t* table, int64_t t0, int64_t t1,
-                 int64_t bs, int64_t Hkv, int64_t G, int64_t D, float* s, float* acc, float* m, float* l) {
+                 int64_t bs, int64_t Hkv, int64_t G, int64_t D, float softcap, float* s, float* acc, float* m,
+                 float* l) {
     if (D_ > 0) D = D_;
     const int64_t S = t1 - t0, H = Hkv * G, row = Hkv * D;
     for_each_row(k, table, t0, t1, bs, row, [&](int64_t i, const T* kp) {  // scores
@@ -76,6 +78,8 @@ void attend_part(const float* qf, const T* k, const T* v, const int64_t* table, 
     for (int64_t h = 0; h < H; h++) {
         float* sh = s + h * S;
         float mh = -INFINITY, lh = 0.f;
+        if (softcap > 0.f)
+            for (int64_t i = 0; i < S; i++) sh[i] = softcap * std::tanh(sh[i] / softcap);
         for (int64_t i = 0; i < S; i++) mh = sh[i] > mh ? sh[i] : mh;
         for (int64_t i = 0; i < S; i++) sh[i] = exp_nonpositive(sh[i] - mh);
         for (int64_t i = 0; i < S; i++) lh += sh[i];
@@ -100,9 +104,8 @@ constexpr int64_t kMaxParts = 64;
 template <typename T>
 int paged_decode(const T* q, const int64_t* rows, const T* k, const T* v, const int64_t* tables, int64_t width,
                  const int64_t* ctx, T* out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
-                 int64_t window, int64_t max_ctx) {
+                 int64_t window, int64_t max_ctx, float scale, float softcap) {
     const int64_t G = H / Hkv;
-    const float scale = 1.f / std::sqrt(float(D));
     // Work units: a sequence, or with fewer sequences than twice the threads a run of its
     // blocks (flash-decoding's split), so that a long batch-1 decode uses every core.
     int64_t threads = 1;
@@ -141,9 +144,9 @@ int paged_decode(const T* q, const int64_t* rows, const T* k, const T* v, const 
             const T* qb = q + rows[b] * H * D;
             for (int64_t i = 0; i < H * D; i++) qf[i] = load(qb, i) * scale;
             const int64_t* table = tables + b * width;
-            if (D == 64) attend_part<T, 64>(qf, k, v, table, t0, t1, bs, Hkv, G, D, s, acc, m, l);
-            else if (D == 128) attend_part<T, 128>(qf, k, v, table, t0, t1, bs, Hkv, G, D, s, acc, m, l);
-            else attend_part<T, 0>(qf, k, v, table, t0, t1, bs, Hkv, G, D, s, acc, m, l);
+            if (D == 64) attend_part<T, 64>(qf, k, v, table, t0, t1, bs, Hkv, G, D, softcap, s, acc, m, l);
+            else if (D == 128) attend_part<T, 128>(qf, k, v, table, t0, t1, bs, Hkv, G, D, softcap, s, acc, m, l);
+            else attend_part<T, 0>(qf, k, v, table, t0, t1, bs, Hkv, G, D, softcap, s, acc, m, l);
             if (parts == 1) {  // the whole sequence: done
                 T* ob = out + rows[b] * H * D;
                 for (int64_t h = 0; h < H; h++)
@@ -181,8 +184,10 @@ int paged_decode(const T* q, const int64_t* rows, const T* k, const T* v, const 
 #define ENTRY(NAME, T)                                                                                      \
     extern "C" int NAME(const T* q, const int64_t* rows, const T* k, const T* v, const int64_t* tables,    \
                         int64_t width, const int64_t* ctx, T* out, int64_t B, int64_t H, int64_t Hkv,      \
-                        int64_t D, int64_t bs, int64_t window, int64_t max_ctx) {                          \
-        return paged_decode<T>(q, rows, k, v, tables, width, ctx, out, B, H, Hkv, D, bs, window, max_ctx); \
+                        int64_t D, int64_t bs, int64_t window, int64_t max_ctx, float scale,               \
+                        float softcap) {                                                                   \
+        return paged_decode<T>(q, rows, k, v, tables, width, ctx, out, B, H, Hkv, D, bs, window, max_ctx,  \
+                               scale, softcap);                                                            \
     }
 ENTRY(paged_decode_f32, float)
 ENTRY(paged_decode_bf16, BF16)

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from dataclasses import dataclass, field
-
-import torch
+from dataclasses import dataclass
 
 
 @dataclass(slots=True)
@@ -37,7 +35,6 @@ def block_hash(parent: bytes | None, tokens: list[int]) -> bytes:
 class CacheStats:
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # of which found
-    cow_copies: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -129,7 +126,6 @@ class BlockManager:
             self.pending_copies.append((bid, new))
             self._unref(bid)
             table[idx] = new
-            self.stats.cow_copies += 1
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write copies decided since the last call; the runner does them before the forward."""
@@ -161,28 +157,3 @@ class BlockManager:
         for bid in reversed(table):  # the tail is freed first, so it is evicted before the shared prefix
             self._unref(bid)
         table.clear()
-
-
-@dataclass
-class PagedKVCache:
-    """The pool's tensors: [layers, num_blocks, block_size, kv_heads, head_dim] for k and v."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    block_size: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.block_size = self.k.shape[2]
-
-    @classmethod
-    def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device) -> "PagedKVCache":
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        if pairs:
-            src = torch.tensor([s for s, _ in pairs], device=self.k.device)
-            dst = torch.tensor([d for _, d in pairs], device=self.k.device)
-            self.k[:, dst] = self.k[:, src]
-            self.v[:, dst] = self.v[:, src]

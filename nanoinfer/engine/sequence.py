@@ -5,9 +5,9 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-from .sampling import Logprob, RowSampler, SamplingParams
-from .tokenizer import IncrementalDetokenizer, StopMatcher
-from .tool_use import ToolUseState
+from ..sampling import Logprob, RowSampler, SamplingParams
+from ..tokenizer import IncrementalDetokenizer, StopMatcher
+from ..tools.tool_use import ToolUseState
 
 
 class FinishCause(str, Enum):

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .kv_cache import BlockManager
+from .kv_manager import BlockManager
 from .sequence import Sequence
 
 

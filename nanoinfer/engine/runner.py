@@ -4,10 +4,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import cpu_kernels
-from .attention import PagedAttention, PrefillSlice
-from .config import ModelConfig
-from .kv_cache import PagedKVCache
+from ..attention import PagedKVCache, PagedMetadata, PrefillSlice, get_backend, layer_params
+from ..config import ModelConfig
+from ..models.batch import ForwardBatch
 from .scheduler import ScheduledBatch
 
 
@@ -17,15 +16,13 @@ class ModelRunner:
         self.config = config
         self.cache = cache
         self.device = cache.k.device
-        self.windows = config.windows()
-        self.decode_kernel = cpu_kernels.decode_supported(cache.k)
+        self.attention = get_backend(layer_params(config), cache)
         # Models that mix in the previous token (nanochat's smear) get its id for every position.
         self.needs_prev_ids = getattr(model, "needs_prev_ids", False)
 
-    def build(self, batch: ScheduledBatch):
-        """Flatten the batch: ids, positions, attention metadata, the rows whose logits
-        are needed, which sequences (indices into batch.seqs) they belong to, and extra
-        model inputs."""
+    def build(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[int]]:
+        """Flatten the batch into one forward, and say which sequences (indices into
+        batch.seqs) the logits rows belong to."""
         bs = self.cache.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -54,15 +51,16 @@ class ModelRunner:
             if start + n == seq.length:  # caught up with its tokens: it samples the next one
                 logits_rows.append(len(ids) - 1)
                 samplers.append(i)
-        tables, ctx, max_ctx = self._decode_metadata(batch, decode_seqs) if decode_rows else (None, None, 0)
-        attn = PagedAttention(
-            self.cache, torch.tensor(slots, device=self.device), prefills,
-            torch.tensor(decode_rows, device=self.device) if decode_rows else None, tables, ctx,
-            windows=self.windows, decode_max_ctx=max_ctx, decode_kernel=self.decode_kernel,
+        meta = PagedMetadata(torch.tensor(slots, device=self.device), prefills, None, None, None)
+        if decode_rows:
+            meta.decode_rows = torch.tensor(decode_rows, device=self.device)
+            meta.decode_tables, meta.decode_ctx, meta.decode_max_ctx = self._decode_metadata(batch, decode_seqs)
+        forward = ForwardBatch(
+            torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), self.attention, meta,
+            torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+            torch.tensor(prev, device=self.device) if self.needs_prev_ids else None,
         )
-        extra = {"prev_ids": torch.tensor(prev, device=self.device)} if self.needs_prev_ids else {}
-        return (torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), attn,
-                logits_rows, samplers, extra)
+        return forward, samplers
 
     def _decode_metadata(self, batch: ScheduledBatch, which: list[int]):
         """Block tables padded to one width, each row's context length, and the longest."""
@@ -76,7 +74,5 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """Returns logits [num_sampling, vocab] (fp32) and the batch indices they belong to."""
-        ids, positions, attn, logits_rows, samplers, extra = self.build(batch)
-        logits = self.model(ids, positions, attn, torch.tensor(logits_rows, dtype=torch.long, device=self.device),
-                            **extra)
-        return logits, samplers
+        forward, samplers = self.build(batch)
+        return self.model(forward), samplers

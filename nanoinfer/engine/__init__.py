@@ -1,0 +1,13 @@
+"""The engine: requests in, one step at a time, deltas out.
+
+    core.py        LLMEngine (add_request / step / abort / release / metrics), EngineConfig
+    scheduler.py   who runs each step and how many tokens each: one token budget, preemption
+    kv_manager.py  the block pool: allocation, forks, copy-on-write, prefix hashes (the scheduler's only door to it)
+    sequence.py    one sample's state, its stop policy, and the outputs users see
+    runner.py      a scheduled batch -> one ForwardBatch -> the model -> logits rows
+"""
+from .core import EngineConfig, LLMEngine
+from .sequence import CompletionOutput, FinishCause, ForwardStat, RequestOutput, RequestStats, StreamDelta
+
+__all__ = ["CompletionOutput", "EngineConfig", "FinishCause", "ForwardStat", "LLMEngine", "RequestOutput",
+           "RequestStats", "StreamDelta"]
