@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test browser clean
+.PHONY: setup run test lint browser clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -28,7 +28,13 @@ run: setup
 	$(VENV)/bin/nanoinfer generate --chat --stats --max-tokens 96 --temperature 0 \
 		"Explain in three sentences what a KV cache does in a language model."
 
-test: setup browser
+# Lint (ruff) and the layering contracts (import-linter, pyproject.toml) first: a new cycle or a
+# skipped layer fails the build like a failing test.
+lint: setup
+	$(VENV)/bin/ruff check nanoinfer tests
+	$(VENV)/bin/lint-imports
+
+test: setup browser lint
 	$(PY) -m pytest -q
 
 clean:

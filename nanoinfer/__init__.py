@@ -1,8 +1,8 @@
 """nanoinfer: a small, readable LLM inference engine in Python and PyTorch."""
+from .engine.sequence import CompletionOutput, FinishCause, RequestOutput, StreamDelta
 from .errors import InvalidRequestError, ModelLoadError, NanoinferError
 from .llm import LLM
 from .sampling import SamplingParams
-from .engine.sequence import CompletionOutput, FinishCause, RequestOutput, StreamDelta
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "StreamDelta", "FinishCause",
            "NanoinferError", "ModelLoadError", "InvalidRequestError"]

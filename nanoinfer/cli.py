@@ -1,4 +1,5 @@
-"""`nanoinfer` command line: generate, chat, tokenize."""
+"""`nanoinfer` command line: generate, chat, tokenize; serve and bench come from
+server/cli.py and bench/cli.py. The flags these share are defined in cli_args.py."""
 from __future__ import annotations
 
 import argparse
@@ -7,29 +8,10 @@ import re
 import sys
 from pathlib import Path
 
+from .bench.cli import add_bench_parser
+from .cli_args import add_model_arg, add_model_args, add_sampling_args, run_command, sampling_params
 from .errors import NanoinferError
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", "-m", default=None,
-                   help="GGUF file, Hugging Face folder or nanochat checkpoint (default: SmolLM2-135M-Instruct GGUF)")
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
-
-
-def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    # Defaults follow llama.cpp's CLI: a small model at temperature 1.0 rambles.
-    p.add_argument("--max-tokens", "-n", type=int, default=max_tokens)
-    p.add_argument("--temperature", "-t", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--min-p", type=float, default=0.05)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
-    p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
+from .server.cli import add_serve_parser
 
 
 def add_parse_special_arg(p: argparse.ArgumentParser, default: bool | None, what: str) -> None:
@@ -72,15 +54,6 @@ def assistant_message(text: str) -> dict:
     if pos < len(text):
         parts.append({"type": "text", "text": text[pos:]})
     return {"role": "assistant", "content": parts}
-
-
-def sampling_params(a: argparse.Namespace):
-    from .sampling import SamplingParams
-    return SamplingParams(
-        temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
-        repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
-        frequency_penalty=a.frequency_penalty, seed=a.seed, max_tokens=a.max_tokens,
-        stop=a.stop, ignore_eos=getattr(a, "ignore_eos", False))
 
 
 def with_tool_markers(llm, params):
@@ -257,28 +230,19 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tokenize", help="print token ids as JSON")
     t.add_argument("text", nargs="?")
     t.add_argument("--file", "-f", default=None)
-    t.add_argument("--model", "-m", default=None)
+    add_model_arg(t)
     t.add_argument("--no-special", action="store_true", help="do not add BOS/EOS")
     add_parse_special_arg(t, True, "TEXT")
     t.add_argument("--show", action="store_true", help="also print each token's text (stderr)")
     t.set_defaults(func=cmd_tokenize)
 
-    from .bench.cli import add_bench_parser
-    from .server.cli import add_serve_parser
     add_serve_parser(sub)
     add_bench_parser(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args) or 0
-    except NanoinferError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except BrokenPipeError:
-        return 0
+    return run_command(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -2,16 +2,17 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence as Seq
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
 from pathlib import Path
 
 import torch
 
 from .engine import EngineConfig, LLMEngine
-from .errors import InvalidRequestError
-from .loaders import load_model
-from .sampling import SamplingParams
 from .engine.sequence import RequestOutput, StreamDelta
+from .errors import InvalidRequestError
+from .models.builder import load_model
+from .sampling import SamplingParams
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}

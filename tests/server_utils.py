@@ -131,7 +131,7 @@ def _scripted_main(argv: list[str]) -> int:
 
     from nanoinfer.config import ModelConfig
     from nanoinfer.engine import EngineConfig, LLMEngine
-    from nanoinfer.loaders import LoadedModel
+    from nanoinfer.models.builder import LoadedModel
     from nanoinfer.server import ServerConfig, serve
     from nanoinfer.tokenizer import Tokenizer
 

@@ -11,6 +11,7 @@ import pytest
 from nanoinfer.bench import serve
 from nanoinfer.cli import main
 from nanoinfer.errors import NanoinferError
+
 from server_utils import free_port, run_server
 
 LATENCIES = ("ttft", "tpot", "itl", "e2el")
@@ -36,7 +37,7 @@ def bench(capsys, url: str, *extra: str, n: int = 6) -> tuple[int, dict, str]:
 
 
 def check_ok(r: dict, n: int, ratio: float = 0.0) -> None:
-    assert KEYS <= r.keys()
+    assert r.keys() >= KEYS
     assert (r["completed"], r["failed"], r["errors"]) == (n, 0, {})
     # ignore_eos: every reply is max_tokens long, 8 give or take the range ratio
     assert n * int(8 * (1 - ratio)) <= r["total_output_tokens"] <= n * int(8 * (1 + ratio))

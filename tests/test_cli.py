@@ -1,6 +1,7 @@
 """The `nanoinfer` command: generate, chat, tokenize, and its errors."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -131,3 +132,86 @@ def test_assistant_message_parts():
         {"type": "text", "text": "Sure "}, {"type": "python", "text": "2+3"},
         {"type": "python_output", "text": "5"}, {"type": "text", "text": " done"}]
     assert assistant_message("plain")["content"] == "plain"
+
+
+# --- the parsers: no import cycle, shared flags defined once ------------------------------
+def test_bench_and_server_never_import_the_top_level_cli():
+    """Layers: nanoinfer.cli -> server.cli, bench.cli -> cli_args. Lazy imports inside
+    functions count too (bench's `main` once called nanoinfer.cli's), so read every import."""
+    import ast
+    from pathlib import Path
+
+    import nanoinfer
+    root = Path(nanoinfer.__file__).parent
+    for pkg, other in (("bench", "server"), ("server", "bench")):
+        for path in (root / pkg).rglob("*.py"):
+            package = ["nanoinfer", *path.relative_to(root).parent.parts]
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.ImportFrom):
+                    base = package[:len(package) - node.level + 1] if node.level else []
+                    mod = ".".join(base + ([node.module] if node.module else []))
+                    names = [mod] + [f"{mod}.{a.name}" for a in node.names]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                else:
+                    continue
+                for name in names:
+                    for banned in ("nanoinfer.cli", f"nanoinfer.{other}"):
+                        assert name != banned and not name.startswith(banned + "."), f"{path.name} imports {name}"
+
+
+def test_bench_main_runs_without_the_top_level_cli():
+    code = ("import sys; from nanoinfer.bench.cli import main; import nanoinfer.server.cli; "
+            "rc = main(['latency', '--batch-sizes', 'x']); "
+            "assert rc == 1 and 'nanoinfer.cli' not in sys.modules, (rc, sorted(sys.modules))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith("error: --batch-sizes")
+
+
+def test_shared_flags_parse_the_same_everywhere():
+    from nanoinfer.bench.cli import _add_commands
+    from nanoinfer.cli import build_parser
+    from nanoinfer.cli_args import sampling_params
+
+    p = build_parser()
+    bench_alone = argparse.ArgumentParser()  # `python -m nanoinfer.bench`'s parser
+    _add_commands(bench_alone.add_subparsers(dest="bench_command", required=True))
+
+    def parse(cmd: list[str], *flags: str) -> argparse.Namespace:
+        return p.parse_args(cmd + list(flags))
+
+    loading = [["generate", "x"], ["chat"], ["serve"], ["bench", "latency"], ["bench", "throughput"],
+               ["bench", "loop"]]
+    for cmd in loading + [["tokenize", "x"]]:
+        assert parse(cmd, "-m", "m.gguf").model == "m.gguf"
+    for cmd in loading:
+        assert parse(cmd, "--dtype", "bf16").dtype == "bf16"
+        if cmd[0] == "bench":
+            a = bench_alone.parse_args(cmd[1:] + ["--model", "m.gguf", "--dtype", "bf16"])
+            assert (a.model, a.dtype) == ("m.gguf", "bf16")
+    for cmd in (["generate", "x"], ["chat"], ["serve"]):
+        assert parse(cmd, "--max-model-len", "64").max_model_len == 64
+        with pytest.raises(SystemExit):
+            parse(cmd, "--max-model-len", "0")
+    sampling = ["-t", "0.5", "--top-p", "0.9", "--top-k", "7", "--min-p", "0.1", "--repetition-penalty", "1.1",
+                "--presence-penalty", "0.2", "--frequency-penalty", "0.3", "--seed", "5", "--stop", "a",
+                "--stop", "b", "--ignore-eos", "-n", "9"]
+    assert sampling_params(parse(["generate", "x"], *sampling)) == sampling_params(parse(["chat"], *sampling)) \
+        == SamplingParams(temperature=0.5, top_p=0.9, top_k=7, min_p=0.1, repetition_penalty=1.1,
+                          presence_penalty=0.2, frequency_penalty=0.3, seed=5, stop=["a", "b"],
+                          ignore_eos=True, max_tokens=9)
+    engine = ["--max-num-seqs", "3", "--max-num-batched-tokens", "256"]
+    for cmd in (["serve"], ["bench", "throughput"]):
+        a = parse(cmd, *engine)
+        assert (a.max_num_seqs, a.max_num_batched_tokens) == (3, 256)
+
+    # each command keeps its own defaults
+    gen, chat, serve = parse(["generate", "x"]), parse(["chat"]), parse(["serve"])
+    lat, thr = parse(["bench", "latency"]), parse(["bench", "throughput"])
+    assert (gen.dtype, serve.dtype, lat.dtype, thr.dtype) == ("float32", "float32", None, None)
+    assert (gen.max_tokens, chat.max_tokens, gen.temperature, gen.seed, lat.seed) == (256, 512, 0.8, None, 0)
+    assert (serve.max_num_seqs, serve.max_num_batched_tokens, serve.kv_cache_memory) == (64, 512, 1 << 30)
+    assert (thr.max_num_seqs, thr.max_num_batched_tokens) == (None, None)  # sized per device later
+    assert parse(["generate", "x"], "-n", "4").max_tokens == 4  # -n is each command's own
+    assert parse(["bench", "throughput"], "-n", "4").num_requests == 4

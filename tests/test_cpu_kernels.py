@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.attention import (AttentionParams, CpuPagedAttention, PagedKVCache, PagedMetadata,
-                                 TorchPagedAttention)
+from nanoinfer.attention import AttentionParams, CpuPagedAttention, PagedKVCache, PagedMetadata, TorchPagedAttention
 from nanoinfer.kernels import cpu_kernels
 
 if shutil.which("c++") is None and shutil.which("g++") is None:

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from nanoinfer.kernels import cpu_kernels
 from nanoinfer.kernels.cpu_linear import PackedLinear, adapt_linears, packing_supported
-from nanoinfer.loaders import load_model
 from nanoinfer.models.batch import ForwardBatch
+from nanoinfer.models.builder import load_model
 from nanoinfer.reference import generate_uncached
 
 needs_onednn = pytest.mark.skipif(not packing_supported(), reason="this torch build or CPU has no oneDNN bf16")

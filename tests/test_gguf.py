@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from gguf_export import permute_qk, write_gguf_from_hf
 from nanoinfer.errors import ModelLoadError
 from nanoinfer.loaders.gguf import gguf_config, load_gguf, read_gguf_metadata
+
+from gguf_export import permute_qk, write_gguf_from_hf
 
 Q = gguf.GGMLQuantizationType
 

@@ -16,13 +16,14 @@ import gguf
 import pytest
 import torch
 
+from nanoinfer.errors import InvalidRequestError, ModelLoadError
+from nanoinfer.loaders.gguf import read_gguf_metadata
+from nanoinfer.models.builder import load_model
+from nanoinfer.tokenizer import Tokenizer
+from nanoinfer.tokenizer import chat_template as chat_template_module
+
 from gguf_export import write_gguf_from_hf
 from nanochat_fixtures import build_encoding, random_state, write_checkpoint, write_tokenizer
-from nanoinfer.errors import InvalidRequestError, ModelLoadError
-from nanoinfer.loaders import load_model
-from nanoinfer.loaders.gguf import read_gguf_metadata
-from nanoinfer import tokenizer as tokenizer_module
-from nanoinfer.tokenizer import Tokenizer
 
 V = gguf.GGUFValueType
 
@@ -277,7 +278,7 @@ HOSTILE_TEMPLATES = {  # name: (template, what the error says)
 
 @pytest.mark.parametrize("name", sorted(HOSTILE_TEMPLATES))
 def test_hostile_chat_template(name, tiny_tokenizer_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(tokenizer_module, "_TEMPLATE_SECONDS", 0.5)  # the default, 2 s, works the same
+    monkeypatch.setattr(chat_template_module, "_TEMPLATE_SECONDS", 0.5)  # the default, 2 s, works the same
     template, match = HOSTILE_TEMPLATES[name]
     tok = _templated(tiny_tokenizer_dir, tmp_path, template)
     with fails_fast(InvalidRequestError, f"^chat template error: .*({match})"):

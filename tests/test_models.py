@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoinfer.models.batch import ForwardBatch
 from nanoinfer import LLM, SamplingParams
+from nanoinfer.models.batch import ForwardBatch
 from nanoinfer.reference import generate_uncached
 
 CASES = [("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True), ("qwen3", False), ("mistral", False)]
@@ -22,7 +22,7 @@ def hf_greedy(model, ids: list[int], steps: int):
     out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                          do_sample=False, max_new_tokens=steps, min_new_tokens=steps, output_logits=True,
                          return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
-    return out.sequences[0, len(ids):].tolist(), [l[0].float() for l in out.logits]
+    return out.sequences[0, len(ids):].tolist(), [step[0].float() for step in out.logits]
 
 
 def engine_greedy(llm: LLM, ids: list[int], steps: int):
@@ -56,7 +56,7 @@ def check_parity(hf_model, path, steps: int = STEPS):
     tokens, logits = engine_greedy(llm, ids, steps)
     assert len(logits) == steps
     for step, (a, b) in enumerate(zip(logits, ref_logits)):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=0, msg=lambda m: f"step {step}: {m}")
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0, msg=lambda m, step=step: f"step {step}: {m}")
     assert tokens == ref_tokens
     return llm
 

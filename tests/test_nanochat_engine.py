@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from nanochat_fixtures import build_encoding, random_state, write_checkpoint, write_tokenizer
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.cli import main
 from nanoinfer.compat.nanochat import Engine
+
+from nanochat_fixtures import build_encoding, random_state, write_checkpoint, write_tokenizer
 
 KV = dict(kv_cache_memory=1 << 22)
 

@@ -17,16 +17,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanochat_fixtures import (
-    ERAS, MODEL_CONFIG, build_encoding, random_state, short_window, write_checkpoint, write_tokenizer,
-)
-from nanoinfer.models.batch import ForwardBatch
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.errors import InvalidRequestError, ModelLoadError
-from nanoinfer.loaders import detect_format, load_model, load_tokenizer
-from nanoinfer.loaders.nanochat import build_model, load_nanochat
-from nanoinfer.tokenizer import IncrementalDetokenizer
-from nanoinfer.tokenizer_nanochat import NanochatTokenizer
+from nanoinfer.loaders import detect_format, load_tokenizer
+from nanoinfer.loaders.nanochat import load_nanochat
+from nanoinfer.models.batch import ForwardBatch
+from nanoinfer.models.builder import build_module, load_model
+from nanoinfer.tokenizer import IncrementalDetokenizer, NanochatTokenizer
+
+from nanochat_fixtures import (
+    ERAS,
+    MODEL_CONFIG,
+    build_encoding,
+    random_state,
+    short_window,
+    write_checkpoint,
+    write_tokenizer,
+)
 
 KV = dict(kv_cache_memory=1 << 22)  # 4 MiB of KV blocks is plenty here
 TEXT = ("The quick brown fox jumps over the lazy dog. def add(a, b): return a + b. "
@@ -191,7 +198,7 @@ def prompt(tokenizer, n: int) -> list[int]:
 def test_forward_matches_reference(era, states, era_roots, tokenizer):
     config, state, _, info = load_nanochat(era_roots[era])
     assert info["era"] == era and config.extra["era"] == era
-    model = build_model(config, state)
+    model = build_module(config, state)
     ids = prompt(tokenizer, 200)
     assert len(ids) > short_window(MODEL_CONFIG["sequence_len"]) + 1  # the short window slides
     with torch.no_grad():
@@ -214,7 +221,7 @@ def test_features_matter(states, era_roots, tokenizer):
 def test_prev_ids_and_logits_indices(era_roots, tokenizer):
     """Chunks fed with prev_ids (what the runner passes) give the logits of a whole forward."""
     config, state, _, _ = load_nanochat(era_roots["F"])
-    model = build_model(config, state)
+    model = build_module(config, state)
     ids = torch.tensor(prompt(tokenizer, 40))
     with torch.no_grad():
         whole = model(ForwardBatch.whole(ids))
@@ -234,7 +241,7 @@ def test_sliding_past_sequence_len(states, era_roots):
     seq_len = MODEL_CONFIG["sequence_len"]
     config, state, _, info = load_nanochat(era_roots["F"], overrides={"max_position_embeddings": 2 * seq_len})
     assert config.max_position_embeddings == 2 * seq_len and info["max_position_embeddings"] == 2 * seq_len
-    model = build_model(config, state)
+    model = build_module(config, state)
     ids = torch.randint(0, MODEL_CONFIG["vocab_size"], (seq_len + 80,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours = model(ForwardBatch.whole(ids))
@@ -251,7 +258,7 @@ def test_overrides(era_roots, tokenizer, states):
     config, state, _, _ = load_nanochat(era_roots["A"], overrides={"softcap": None})
     ids = prompt(tokenizer, 20)
     with torch.no_grad():
-        raw = build_model(config, state)(ForwardBatch.whole(torch.tensor(ids)))
+        raw = build_module(config, state)(ForwardBatch.whole(torch.tensor(ids)))
     capped = reference_logits(states["A"], "A", ids)
     torch.testing.assert_close(15.0 * torch.tanh(raw / 15.0), capped, atol=1e-4, rtol=0)
     with pytest.raises(InvalidRequestError, match="unknown nanochat override"):
@@ -276,7 +283,7 @@ def test_engine_greedy_matches_reference(era, engine_args, states, era_roots, to
     ref_tokens, ref_logits = reference_greedy(states[era], era, ids, steps)
     assert len(logits) == steps
     for step, (a, b) in enumerate(zip(logits, ref_logits)):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=0, msg=lambda m: f"step {step}: {m}")
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0, msg=lambda m, step=step: f"step {step}: {m}")
     assert tokens == ref_tokens
 
 
@@ -335,7 +342,7 @@ def test_compiled_keys_and_scalar_shapes(chat_root):
     assert not any(k.startswith("_orig_mod.") for k in state)
     assert state["transformer.h.0.attn.c_q.weight"].dtype == torch.bfloat16
     assert state["resid_lambdas"].dtype == torch.float32 and state["smear_lambda"].shape == (1,)
-    model = build_model(config, state)
+    model = build_module(config, state)
     ids = torch.arange(1, 30)
     with torch.no_grad():
         out = model(ForwardBatch.whole(ids))
@@ -406,23 +413,23 @@ def test_load_errors(tmp_path, encoding, era_roots):
     state["transformer.h.1.attn.ve_gate.weight"] = torch.zeros(2, 20)
     state["transformer.h.3.attn.ve_gate.weight"] = torch.zeros(2, 20)
     with pytest.raises(ModelLoadError, match="unknown tensor layout") as e:
-        load_nanochat(variant("gate", state)[0])
+        load_model(variant("gate", state)[0])
     _single_line(e)
 
     state = random_state("F")
     state["transformer.h.0.attn.c_q.weight"] = torch.zeros(32, 64)
     with pytest.raises(ModelLoadError, match="unknown tensor layout.*c_q"):
-        load_nanochat(variant("shape", state)[0])
+        load_model(variant("shape", state)[0])
 
     state = random_state("F")
     state["transformer.h.9.attn.c_q.weight"] = torch.zeros(64, 64)
     with pytest.raises(ModelLoadError, match="unexpected transformer.h.9"):
-        load_nanochat(variant("extra", state)[0])
+        load_model(variant("extra", state)[0])
 
     state = random_state("F")
     del state["backout_lambda"]
     with pytest.raises(ModelLoadError, match="backout_lambda is missing"):
-        load_nanochat(variant("missing_tensor", state)[0])
+        load_model(variant("missing_tensor", state)[0])
 
     with pytest.raises(ModelLoadError, match="no step 5"):
         load_nanochat(era_roots["F"], step=5)

@@ -191,9 +191,10 @@ def test_failing_request_ends_alone_in_the_server(llama_dir, failing_seed):
 
     import httpx2 as httpx
     import openai
-    from server_utils import serve_in_thread
 
     from nanoinfer.server import ServerConfig, create_app
+
+    from server_utils import serve_in_thread
 
     llm = LLM(llama_dir)
     good = [[3 + i, 40 + i, 7, 99 + i, 12] for i in range(8)]

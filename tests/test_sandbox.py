@@ -320,9 +320,12 @@ def sandbox_processes(root: str) -> list[int]:
     """Host pids of the relay and the program: the guard's config in their cmdline names `root`."""
     found = []
     for pid in os.listdir("/proc"):  # cmdline stays readable when the process is not dumpable; cwd not
+        if not pid.isdigit():
+            continue
         try:
-            if pid.isdigit() and root.encode() in open(f"/proc/{pid}/cmdline", "rb").read():
-                found.append(int(pid))
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if root.encode() in f.read():
+                    found.append(int(pid))
         except OSError:
             pass
     return found

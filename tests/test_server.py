@@ -17,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from nanoinfer import LLM, SamplingParams
+
 from server_utils import run_server, scripted_server_command, start_server
 
 MAX_N, MAX_TOKENS, MAX_BYTES = 4, 200, 65536
@@ -179,7 +180,7 @@ def test_n_samples_stream_per_choice(client, model):
     kw = dict(model=model, messages=CHAT, max_tokens=6, n=3, seed=11, temperature=1.0)
     full = client.chat.completions.create(**kw)
     assert [c.index for c in full.choices] == [0, 1, 2]
-    texts = {i: "" for i in range(3)}
+    texts = dict.fromkeys(range(3), "")
     finished = set()
     for chunk in client.chat.completions.create(**kw, stream=True):
         for c in chunk.choices:

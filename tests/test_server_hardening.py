@@ -18,6 +18,7 @@ import pytest
 
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.errors import RequestFailedError
+
 from server_utils import run_server, serve_in_thread, start_server
 
 MAX_TOKENS = 8  # under completions' default of 16
@@ -167,7 +168,7 @@ def failing_server(model_path):
     """The app in this process, its engine told to fail the requests seeded FAIL_SEED (as the engine
     thread reports a failure inside one request) or BUG_SEED (any other exception) after one delta."""
     from nanoinfer.engine import EngineConfig, LLMEngine
-    from nanoinfer.loaders import load_model
+    from nanoinfer.models.builder import load_model
     from nanoinfer.server import ServerConfig
     from nanoinfer.server.app import create_app
 

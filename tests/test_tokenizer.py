@@ -745,3 +745,32 @@ def test_stop_matcher_with_detokenizer(smol):
         if stopped:
             break
     assert stopped and "".join(shown) == "The answer is 日本語.\n"
+
+
+def test_both_tokenizers_have_the_public_interface(smol):
+    import tiktoken
+
+    from nanoinfer.tokenizer import NanochatTokenizer, TokenizerLike
+    from nanoinfer.tokenizer.nanochat import SPECIAL_TOKENS
+
+    encoding = tiktoken.Encoding(name="bytes", pat_str=r"\S+|\s+", mergeable_ranks={bytes([b]): b for b in range(256)},
+                                 special_tokens={t: 256 + i for i, t in enumerate(SPECIAL_TOKENS)})
+    for tok in (smol, NanochatTokenizer(encoding)):
+        assert isinstance(tok, TokenizerLike)
+        assert tok.decode(tok.encode("Hi there", add_special_tokens=False)) == "Hi there"
+
+
+def test_tokenizer_package_sits_below_the_engine():
+    """The package imports nothing of nanoinfer but errors (and config): no engine, models,
+    loaders, server or kernels."""
+    import ast
+
+    import nanoinfer.tokenizer as package
+    for path in Path(package.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level >= 2:
+                assert node.level == 2 and node.module in ("errors", "config"), (path.name, node.module)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                assert not (node.module or "").startswith("nanoinfer"), (path.name, node.module)
+            elif isinstance(node, ast.Import):
+                assert not any(a.name.startswith("nanoinfer") for a in node.names), path.name

@@ -7,7 +7,7 @@ from torch import nn
 
 from nanoinfer.config import ModelConfig
 from nanoinfer.engine import LLMEngine
-from nanoinfer.loaders import LoadedModel
+from nanoinfer.models.builder import LoadedModel
 from nanoinfer.sampling import SamplingParams
 from nanoinfer.tokenizer import Tokenizer
 

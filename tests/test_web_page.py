@@ -13,6 +13,7 @@ import httpx2 as httpx
 import pytest
 
 from nanoinfer import LLM, SamplingParams
+
 from server_utils import run_server
 
 CHROMIUM = "/usr/bin/chromium"

@@ -18,7 +18,7 @@ class PagedKVCache:
 
     @classmethod
     def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device) -> "PagedKVCache":
+                 dtype: torch.dtype, device) -> PagedKVCache:
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 

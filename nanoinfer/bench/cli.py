@@ -1,17 +1,17 @@
 """The `bench` subcommand. `add_bench_parser(sub)` hooks it into nanoinfer's CLI;
-`main()` serves `python -m nanoinfer.bench`. Each bench module is imported only when
-its command runs, so `nanoinfer --help` stays fast."""
+`main()` serves `python -m nanoinfer.bench` with a parser of its own, so this module never
+imports nanoinfer.cli (which imports it). The model and engine flags come from cli_args.py.
+Each bench module is imported only when its command runs, so `nanoinfer --help` stays fast."""
 from __future__ import annotations
 
 import argparse
-import sys
 
+from ..cli_args import add_engine_args, add_model_args, run_command
 
 
 def _common(p: argparse.ArgumentParser, peaks: bool = False) -> None:
-    p.add_argument("--model", "-m", default=None,
-                   help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct GGUF)")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bfloat16 on CUDA, float32 on CPU)")
+    # the dtype is picked once the device is known (common.setup)
+    add_model_args(p, dtype=None, dtype_rule="bfloat16 on CUDA, float32 on CPU", max_model_len=False)
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda when available)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
@@ -61,19 +61,21 @@ def _add_commands(sub) -> None:
     thr.add_argument("--max-input-len", type=int, default=None, help="default 256 on CPU, 1024 on GPU")
     thr.add_argument("--min-output-len", type=int, default=None, help="default 16 on CPU, 100 on GPU")
     thr.add_argument("--max-output-len", type=int, default=None, help="default 128 on CPU, 1024 on GPU")
-    thr.add_argument("--max-num-seqs", type=int, default=None, help="engine: running sequences (default min(N, 256))")
-    thr.add_argument("--max-num-batched-tokens", type=int, default=None,
-                     help="engine: token budget per step (default 1024 on CPU, 16384 on GPU)")
+    # the KV pool is sized to hold every request (common.kv_pool_bytes): no --kv-cache-memory
+    add_engine_args(thr, max_num_seqs="min(N, 256)", max_num_batched_tokens="1024 on CPU, 16384 on GPU",
+                    kv_cache=False)
     thr.add_argument("--compare", default=None, choices=["transformers"],
                      help="also run the same requests through transformers' generate()")
-    thr.add_argument("--hf-batch-size", type=int, default=None, help="static batch size for transformers (default min(32, N))")
+    thr.add_argument("--hf-batch-size", type=int, default=None,
+                     help="static batch size for transformers (default min(32, N))")
     thr.set_defaults(func=_throughput)
 
     loop = sub.add_parser("loop", help="per-forward time: uncached reference loop against the engine's cached loop")
     _common(loop)
     loop.add_argument("--prompt-len", type=int, default=None, help="default 64 on CPU, 512 on GPU")
     loop.add_argument("--output-len", type=int, default=None, help="default 192 on CPU, 512 on GPU")
-    loop.add_argument("--rows", type=int, default=12, help="rows of the table: the prefill, then buckets of contexts (default 12)")
+    loop.add_argument("--rows", type=int, default=12,
+                      help="rows of the table: the prefill, then buckets of contexts (default 12)")
     loop.set_defaults(func=_loop)
 
     # No model is loaded here (the server has it): none of _common's options apply.
@@ -106,16 +108,20 @@ def _add_commands(sub) -> None:
     srv.set_defaults(func=_serve)
 
 
+DESCRIPTION = ("Benchmarks. Tables on stdout, progress on stderr; the last stdout line is one JSON document "
+               "with every figure.")
+
+
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
-    """Add `bench {latency,throughput,loop}` to a CLI's subparsers."""
+    """Add `bench {latency,throughput,loop,serve}` to a CLI's subparsers."""
     bench = subparsers.add_parser("bench", help="benchmarks: latency, throughput, loop, serve",
-                                  description="Benchmarks. Tables on stdout, progress on stderr; the last stdout "
-                                              "line is one JSON document with every figure.")
+                                  description=DESCRIPTION)
     _add_commands(bench.add_subparsers(dest="bench_command", required=True))
     return bench
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m nanoinfer.bench ...` is `nanoinfer bench ...`."""
-    from ..cli import main as cli_main
-    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
+    p = argparse.ArgumentParser(prog="python -m nanoinfer.bench", description=DESCRIPTION)
+    _add_commands(p.add_subparsers(dest="bench_command", required=True))
+    return run_command(p.parse_args(argv))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import NanoinferError
-from ..loaders import LoadedModel
+from ..models.builder import LoadedModel
 from .peaks import Peaks, cpu_model, device_name, peaks_dict, resolve_peaks
 from .roofline import Roofline
 
@@ -59,7 +59,7 @@ def setup(args: argparse.Namespace, need_peaks: bool = True) -> BenchEnv:
     """Threads, device, dtype, the model, the peaks: in that order, since the CPU probe
     must run with the threads the engine will use."""
     from ..llm import DTYPES
-    from ..loaders import load_model
+    from ..models.builder import load_model
 
     if args.threads is not None:
         if args.threads < 1:

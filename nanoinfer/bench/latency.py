@@ -18,9 +18,26 @@ import torch
 from ..engine import EngineConfig, LLMEngine
 from ..errors import NanoinferError
 from ..sampling import SamplingParams
-from .common import (BenchEnv, emit_json, fmt_bytes, fmt_pct, fmt_si, kv_pool_bytes, median, on_gpu,
-                     peak_memory_bytes, plot_path, print_table, progress, progress_done, random_prompt,
-                     reset_peak_memory, run_meta, setup, sync)
+from .common import (
+    BenchEnv,
+    emit_json,
+    fmt_bytes,
+    fmt_pct,
+    fmt_si,
+    kv_pool_bytes,
+    median,
+    on_gpu,
+    peak_memory_bytes,
+    plot_path,
+    print_table,
+    progress,
+    progress_done,
+    random_prompt,
+    reset_peak_memory,
+    run_meta,
+    setup,
+    sync,
+)
 
 BLOCK_SIZE = 16
 

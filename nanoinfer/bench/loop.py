@@ -23,8 +23,21 @@ from ..errors import NanoinferError
 from ..models.batch import ForwardBatch
 from ..reference import generate_uncached
 from ..sampling import SamplingParams
-from .common import (BenchEnv, emit_json, kv_pool_bytes, median, on_gpu, plot_path, print_table, progress, progress_done,
-                     random_prompt, run_meta, setup, sync)
+from .common import (
+    BenchEnv,
+    emit_json,
+    kv_pool_bytes,
+    median,
+    on_gpu,
+    plot_path,
+    print_table,
+    progress,
+    progress_done,
+    random_prompt,
+    run_meta,
+    setup,
+    sync,
+)
 
 BLOCK_SIZE = 16
 

@@ -146,7 +146,7 @@ class Roofline:
     kv_dtype_bytes: int  # the KV cache is kept in the model's dtype
 
     @classmethod
-    def for_model(cls, model: nn.Module, config: ModelConfig) -> "Roofline":
+    def for_model(cls, model: nn.Module, config: ModelConfig) -> Roofline:
         dtype_bytes = next(model.parameters()).element_size()
         return cls(config, model_weight_bytes(model, config), dtype_bytes)
 

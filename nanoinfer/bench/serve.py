@@ -32,16 +32,20 @@ from .common import emit_json, median, percentile, plot_path, print_table, progr
 
 # Short, frequent English words: about one token each (with their leading space) in the
 # usual BPE vocabularies, so the no-/tokenize guess of one token per word is close.
-WORDS = (
-    "the of and to in is it you that he was for on are with as his they be at one have this from or had by "
-    "word but what some we can out other were all there when up use your how said an each she which do "
-    "their time if will way about many then them write would like so these her long make thing see him two "
-    "has look more day could go come did number sound no most people my over know water than call first "
-    "who may down side been now find any new work part take get place made live where after back little "
-    "only round man year came show every good me give our under name very through just form great think "
-    "say help low line turn cause much mean before move right boy old too same tell does set three want "
-    "air well also play small end put home read hand port large spell add even land here must big high"
-).split()
+WORDS = [
+    "the", "of", "and", "to", "in", "is", "it", "you", "that", "he", "was", "for", "on", "are", "with", "as", "his",
+    "they", "be", "at", "one", "have", "this", "from", "or", "had", "by", "word", "but", "what", "some", "we", "can",
+    "out", "other", "were", "all", "there", "when", "up", "use", "your", "how", "said", "an", "each", "she", "which",
+    "do", "their", "time", "if", "will", "way", "about", "many", "then", "them", "write", "would", "like", "so",
+    "these", "her", "long", "make", "thing", "see", "him", "two", "has", "look", "more", "day", "could", "go",
+    "come", "did", "number", "sound", "no", "most", "people", "my", "over", "know", "water", "than", "call", "first",
+    "who", "may", "down", "side", "been", "now", "find", "any", "new", "work", "part", "take", "get", "place",
+    "made", "live", "where", "after", "back", "little", "only", "round", "man", "year", "came", "show", "every",
+    "good", "me", "give", "our", "under", "name", "very", "through", "just", "form", "great", "think", "say", "help",
+    "low", "line", "turn", "cause", "much", "mean", "before", "move", "right", "boy", "old", "too", "same", "tell",
+    "does", "set", "three", "want", "air", "well", "also", "play", "small", "end", "put", "home", "read", "hand",
+    "port", "large", "spell", "add", "even", "land", "here", "must", "big", "high"
+]
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -324,7 +328,7 @@ async def drive(client, httpx, target: Target, specs: list[RequestSpec], offsets
     timed_out = False
     try:
         await asyncio.wait_for(dispatch(), run_timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         timed_out = True
     duration = time.perf_counter() - start
     progress_done()
@@ -502,7 +506,7 @@ async def bench(a: argparse.Namespace, slos: dict[str, float]) -> tuple[dict, Lo
         try:
             specs, sized_by = await asyncio.wait_for(
                 build_specs(client, url, model, input_lens, output_lens, a.seed), left())
-        except asyncio.TimeoutError:
+        except TimeoutError:
             specs, sized_by = guessed_specs(input_lens, output_lens, a.seed), "estimate"
         progress_done()
         target = Target(url, a.endpoint, model, a.ignore_eos)

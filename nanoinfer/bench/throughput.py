@@ -24,8 +24,23 @@ import torch
 from ..engine import EngineConfig, LLMEngine
 from ..errors import NanoinferError
 from ..sampling import SamplingParams
-from .common import (BenchEnv, emit_json, fmt_bytes, kv_pool_bytes, median, on_gpu, percentile, plot_path,
-                     print_table, progress, progress_done, random_prompt, run_meta, setup, sync)
+from .common import (
+    BenchEnv,
+    emit_json,
+    fmt_bytes,
+    kv_pool_bytes,
+    median,
+    on_gpu,
+    percentile,
+    plot_path,
+    print_table,
+    progress,
+    progress_done,
+    random_prompt,
+    run_meta,
+    setup,
+    sync,
+)
 
 BLOCK_SIZE = 16
 

@@ -20,9 +20,9 @@ from collections.abc import Iterator
 from torch import nn
 
 from ..engine import EngineConfig, LLMEngine
-from ..loaders import LoadedModel
-from ..sampling import SamplingParams
 from ..engine.sequence import FinishCause
+from ..models.builder import LoadedModel
+from ..sampling import SamplingParams
 
 
 class Engine:

@@ -4,6 +4,8 @@
     scheduler.py   who runs each step and how many tokens each: one token budget, preemption
     kv_manager.py  the block pool: allocation, forks, copy-on-write, prefix hashes (the scheduler's only door to it)
     sequence.py    one sample's state, its stop policy, and the outputs users see
+    async_engine.py the engine on its own thread, asyncio queues in front (for the server)
+    batch.py       ScheduledBatch: one step as the scheduler decided it
     runner.py      a scheduled batch -> one ForwardBatch -> the model -> logits rows
 """
 from .core import EngineConfig, LLMEngine

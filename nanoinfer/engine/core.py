@@ -20,11 +20,10 @@ import torch
 
 from ..attention import PagedKVCache
 from ..errors import InvalidRequestError, RequestFailedError
-from ..loaders import LoadedModel
+from ..models.builder import LoadedModel
 from ..sampling import RowSampler, SamplingParams
 from ..tokenizer import IncrementalDetokenizer, StopMatcher
 from ..tools.tool_use import ToolUseState, bind_tools
-from .kv_manager import BlockManager
 from .runner import ModelRunner
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import ForwardStat, RequestOutput, Sequence, StreamDelta
@@ -56,12 +55,11 @@ class LLMEngine:
         num_blocks = max(1, config.kv_cache_memory // bytes_per_block)
         self.cache = PagedKVCache.allocate(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads,
                                            mc.head_dim, self.dtype, self.device)
-        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         # One sequence must always fit in the pool, or preemption could never make room.
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings,
                                  num_blocks * config.block_size)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   config.block_size, config.enable_prefix_caching), self.blocks)
+        self.scheduler = Scheduler(SchedulerConfig(num_blocks, config.max_num_seqs, config.max_num_batched_tokens,
+                                                   config.block_size, config.enable_prefix_caching))
         self.runner = ModelRunner(self.model, mc, self.cache)
         self.tools = bind_tools(self.tokenizer) if config.enable_tools else []
         self.requests: dict[str, list[Sequence]] = {}
@@ -128,6 +126,11 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    @property
+    def blocks(self):
+        """The scheduler's block manager, for reading (metrics, tests); only the scheduler changes it."""
+        return self.scheduler.blocks
 
     def output(self, request_id: str) -> RequestOutput:
         seqs = self.requests[request_id]

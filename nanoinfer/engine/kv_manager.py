@@ -59,6 +59,9 @@ class BlockManager:
     def num_used(self) -> int:
         return len(self.blocks) - len(self.free)
 
+    def is_shared(self, bid: int) -> bool:
+        return self.blocks[bid].ref_count > 1
+
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -121,7 +124,7 @@ class BlockManager:
         """Before writing at `position`: copy-on-write if its block is shared."""
         idx = position // self.block_size
         bid = table[idx]
-        if self.blocks[bid].ref_count > 1:
+        if self.is_shared(bid):
             new = self._take()
             self.pending_copies.append((bid, new))
             self._unref(bid)

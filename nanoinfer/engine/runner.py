@@ -7,7 +7,7 @@ from torch import nn
 from ..attention import PagedKVCache, PagedMetadata, PrefillSlice, get_backend, layer_params
 from ..config import ModelConfig
 from ..models.batch import ForwardBatch
-from .scheduler import ScheduledBatch
+from .batch import ScheduledBatch
 
 
 class ModelRunner:

@@ -12,38 +12,26 @@ its blocks are freed and it goes back to the front of the queue to be recomputed
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from .batch import ScheduledBatch
 from .kv_manager import BlockManager
 from .sequence import Sequence
 
 
 @dataclass
 class SchedulerConfig:
+    num_blocks: int
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     block_size: int = 16
     enable_prefix_caching: bool = True
 
 
-@dataclass
-class ScheduledBatch:
-    seqs: list[Sequence] = field(default_factory=list)
-    num_tokens: list[int] = field(default_factory=list)  # tokens each sequence computes this step
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): copy-on-write before the forward
-
-    def __len__(self) -> int:
-        return len(self.seqs)
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_tokens)
-
-
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager):
+    def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.blocks = blocks
+        self.blocks = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -64,7 +52,7 @@ class Scheduler:
         end = seq.num_computed + num_tokens
         need = max(0, self.blocks.blocks_needed(end) - len(table))
         idx = seq.num_computed // self.blocks.block_size
-        if idx < len(table) and self.blocks.blocks[table[idx]].ref_count > 1:
+        if idx < len(table) and self.blocks.is_shared(table[idx]):
             need += 1
         return need
 

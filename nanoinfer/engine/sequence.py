@@ -140,7 +140,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # prefix hashes of its full blocks
     num_preemptions: int = 0
-    forks: list["Sequence"] = field(default_factory=list)  # samples 1..n-1, forked after this one's prefill
+    forks: list[Sequence] = field(default_factory=list)  # samples 1..n-1, forked after this one's prefill
     stats: RequestStats = field(init=False)
 
     def __post_init__(self) -> None:

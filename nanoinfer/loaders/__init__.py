@@ -1,16 +1,15 @@
-"""From a path on disk to a model and a tokenizer, whatever the format."""
+"""From a path on disk to a config, tensors (as stored, in the serving dtype) and a tokenizer,
+whatever the format. No model code here: models/builder.py turns what these return into a
+module through the registry."""
 from __future__ import annotations
 
 import importlib.util
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from ..config import ModelConfig
-from ..kernels.cpu_linear import adapt_linears
 from ..errors import ModelLoadError
 from ..tokenizer import Tokenizer
 
@@ -19,13 +18,14 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass
-class LoadedModel:
-    model: nn.Module
-    tokenizer: Tokenizer
+class ModelFiles:
+    """What a loader read: everything a model is built from."""
+
     config: ModelConfig
+    state: dict[str, torch.Tensor]  # the names the architecture's module loads
+    tokenizer: Tokenizer
     path: Path
     format: str  # "gguf" | "hf" | "nanochat"
-    load_seconds: float
     info: dict = field(default_factory=dict)  # loader notes (nanochat: era, step, tag, ...)
 
 
@@ -69,18 +69,15 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
         return Tokenizer.from_gguf_metadata(read_gguf_metadata(path))
     if fmt == "hf":
         return Tokenizer.from_hf_folder(path)
-    from ..tokenizer_nanochat import NanochatTokenizer
+    from ..tokenizer import NanochatTokenizer
     from .nanochat import find_tokenizer
     return NanochatTokenizer.from_pickle(find_tokenizer(path))
 
 
-def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", overrides: dict | None = None) -> LoadedModel:
+def load_files(path: str | Path | None = None, dtype: torch.dtype = torch.float32,
+               overrides: dict | None = None) -> ModelFiles:
     """overrides: for nanochat checkpoints, step / tag / source and the era constants
     (rope_theta, qk_scale, softcap, max_position_embeddings); other formats take none."""
-    from ..models.llama import LlamaForCausalLM
-
-    t0 = time.perf_counter()
     path = Path(path).expanduser() if path is not None else default_model_path()
     if not path.exists():
         raise ModelLoadError(f"{path}: no such file or directory")
@@ -90,40 +87,16 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float3
     if fmt == "gguf":
         from .gguf import load_gguf
         config, state, meta = load_gguf(path, dtype=dtype)
-        tokenizer = Tokenizer.from_gguf_metadata(meta)
-    elif fmt == "hf":
+        return ModelFiles(config, state, Tokenizer.from_gguf_metadata(meta), path, fmt)
+    if fmt == "hf":
         from .hf import load_hf_folder
         config, state = load_hf_folder(path, dtype=dtype)
         if not (path / "tokenizer.json").is_file():
             raise ModelLoadError(f"{path}: no tokenizer.json")
-        tokenizer = Tokenizer.from_hf_folder(path)
-    else:  # nanochat: its own module and tokenizer
-        from .nanochat import build_model, load_nanochat
-        o = dict(overrides or {})
-        config, state, nanochat_tokenizer, info = load_nanochat(
-            path, dtype=dtype, step=o.pop("step", None), tag=o.pop("tag", None), source=o.pop("source", None),
-            overrides=o or None)
-        model = build_model(config, state, device)
-        return LoadedModel(model, nanochat_tokenizer, config, path, fmt, time.perf_counter() - t0, info)
-    model = build_module(LlamaForCausalLM, config, state, device, str(path))
-    return LoadedModel(model, tokenizer, config, path, fmt, time.perf_counter() - t0)
-
-
-def build_module(cls, config: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device,
-                 where: str) -> nn.Module:
-    """Build on the meta device and take the loaders' tensors as they are (already in the
-    serving dtype: no copy, no second cast), then make the fp32 rotary tables on `device`.
-    Empties `state`: tensors the model did not keep as they are (fused projections copy
-    theirs) are freed before the linears are packed, which copies them once more."""
-    with torch.device("meta"):
-        model = cls(config)
-    try:
-        model.load_weights(state)
-    except (ValueError, RuntimeError) as e:
-        raise ModelLoadError(f"{where}: {' '.join(str(e).split())}") from None
-    state.clear()
-    model.reset_rope()  # the meta-device tables become real tensors
-    model = model.to(device).eval()
-    adapt_linears(model)  # CPU: weights packed once (bf16 for oneDNN, fp32 for the compiled GEMM)
-    return model
-
+        return ModelFiles(config, state, Tokenizer.from_hf_folder(path), path, fmt)
+    from .nanochat import load_nanochat
+    o = dict(overrides or {})
+    config, state, tokenizer, info = load_nanochat(
+        path, dtype=dtype, step=o.pop("step", None), tag=o.pop("tag", None), source=o.pop("source", None),
+        overrides=o or None)
+    return ModelFiles(config, state, tokenizer, path, fmt, info)

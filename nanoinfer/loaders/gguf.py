@@ -15,23 +15,24 @@ import mmap
 import os
 import re
 import struct
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from .. import registry
 from ..config import ModelConfig, check_int, check_layer_count, check_number
-from nanoinfer.errors import ModelLoadError
+from ..errors import ModelLoadError
 
 __all__ = ["read_gguf_metadata", "gguf_config", "load_gguf"]
 
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
-_SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 
 # GGUF metadata value types -> struct format; 8 is a string, 9 an array.
 _SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -256,10 +257,7 @@ def gguf_config(meta: Mapping[str, Any], tensor_shapes: Mapping[str, Sequence[in
     from the architecture (untied; qwen2 has biases, qwen3 has q/k norms).
     """
     arch = meta.get("general.architecture")
-    if arch not in _SUPPORTED_ARCHS:
-        raise ModelLoadError(
-            f"unsupported GGUF architecture {arch!r} (supported: {', '.join(_SUPPORTED_ARCHS)})"
-        )
+    family = registry.for_gguf(arch)
 
     def size(key: str, default: Any = None) -> int:
         return check_int(_arch_key(meta, arch, key, default), f"{arch}.{key}")
@@ -285,8 +283,8 @@ def gguf_config(meta: Mapping[str, Any], tensor_shapes: Mapping[str, Sequence[in
         raise ModelLoadError(f"GGUF metadata lacks {arch}.vocab_size and tokenizer.ggml.tokens")
     vocab = check_int(vocab, f"{arch}.vocab_size")
 
-    if tensor_shapes is None:
-        tied, bias, qk_norm = False, arch == "qwen2", arch == "qwen3"
+    if tensor_shapes is None:  # the family's facts (the registry's adapter) fill these in
+        tied, bias, qk_norm = False, False, False
     else:
         tied = "output.weight" not in tensor_shapes
         bias = "blk.0.attn_q.bias" in tensor_shapes
@@ -295,15 +293,16 @@ def gguf_config(meta: Mapping[str, Any], tensor_shapes: Mapping[str, Sequence[in
     # llama.cpp converts Mistral checkpoints to the llama architecture; only the name tells.
     sliding_window = meta.get(f"{arch}.attention.sliding_window")
     name = f"{meta.get('general.name', '')} {meta.get('general.basename', '')}".lower()
-    is_mistral = arch == "llama" and ("mistral" in name or sliding_window is not None)
+    if family.name == "llama" and ("mistral" in name or sliding_window is not None):
+        family = registry.by_name("mistral")
 
     extra = {"gguf_architecture": arch}
     if (rope_dim := meta.get(f"{arch}.rope.dimension_count")) is not None:
         if check_int(rope_dim, f"{arch}.rope.dimension_count") != head_dim:  # models/llama.py rotates the whole head
             raise ModelLoadError(f"partial rotary embeddings ({rope_dim} of {head_dim} dims) are not supported")
         extra["rope_dimension_count"] = rope_dim
-    return ModelConfig(
-        architecture="mistral" if is_mistral else arch,
+    return family.adapt(ModelConfig(
+        architecture=family.name,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=size("feed_forward_length"),
@@ -321,7 +320,7 @@ def gguf_config(meta: Mapping[str, Any], tensor_shapes: Mapping[str, Sequence[in
         rope_scaling=_rope_scaling(meta, arch),
         sliding_window=check_int(sliding_window, f"{arch}.attention.sliding_window") if sliding_window else None,
         extra=extra,
-    )
+    ))
 
 
 def _llama3_rope_scaling(rope_factors: np.ndarray, theta: float, head_dim: int) -> dict | None:

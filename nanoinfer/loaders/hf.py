@@ -9,39 +9,23 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
+from .. import registry
 from ..config import ModelConfig, check_int, check_layer_count, check_number
 from ..errors import ModelLoadError
+from ..registry import Architecture
 
-# HF class name -> our architecture name; all are served by models/llama.py.
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
-# model_type -> our architecture name, for configs without `architectures` (transformers'
-# AutoModelForCausalLM picks the class from model_type alone).
-MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 _ROPE_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 _LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.")
 
 
-def _architecture(raw: dict) -> str:
+def _architecture(raw: dict) -> Architecture:
     names = raw.get("architectures")
-    if names:
-        if not isinstance(names, list):
-            raise ModelLoadError(f"architectures must be a list of class names, got {names!r:.60}")
-        arch = next((ARCHITECTURES[n] for n in names if isinstance(n, str) and n in ARCHITECTURES), None)
-        if arch is None:
-            raise ModelLoadError(f"unsupported architecture {names!r:.80}; supported: {', '.join(ARCHITECTURES)}")
-        return arch
+    if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        raise ModelLoadError(f"architectures must be a list of class names, got {names!r:.60}")
     model_type = raw.get("model_type")
-    if model_type is None:
-        raise ModelLoadError("neither architectures nor model_type is given")
-    if model_type not in MODEL_TYPES:
-        raise ModelLoadError(f"unsupported model_type {model_type!r:.60} (no architectures given); "
-                             f"supported: {', '.join(MODEL_TYPES)}")
-    return MODEL_TYPES[model_type]
+    if model_type is not None and not isinstance(model_type, str):
+        raise ModelLoadError(f"model_type must be a string, got {model_type!r:.60}")
+    return registry.for_hf(names, model_type)
 
 
 def _dict(raw: dict, key: str) -> dict | None:
@@ -80,9 +64,9 @@ def hf_config(raw: dict) -> ModelConfig:
     for key in _ROPE_NUMBERS:
         if scaling and key in scaling:
             check_number(scaling[key], f"rope_scaling.{key}")
-    window = raw.get("sliding_window") if arch == "mistral" or raw.get("use_sliding_window") else None
-    return ModelConfig(
-        architecture=arch,
+    window = raw.get("sliding_window") if arch.sliding_window or raw.get("use_sliding_window") else None
+    return arch.adapt(ModelConfig(
+        architecture=arch.name,
         vocab_size=size("vocab_size"),
         hidden_size=hidden,
         intermediate_size=size("intermediate_size"),
@@ -94,11 +78,10 @@ def hf_config(raw: dict) -> ModelConfig:
         rms_norm_eps=check_number(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps", allow_zero=True),
         max_position_embeddings=check_int(raw.get("max_position_embeddings", 2048), "max_position_embeddings"),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
-        qk_norm=arch == "qwen3",
+        attention_bias=bool(raw.get("attention_bias", False)),
         rope_scaling=scaling,
         sliding_window=None if window is None else check_int(window, "sliding_window"),
-    )
+    ))
 
 
 def _check_shapes(config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> None:
@@ -138,7 +121,7 @@ def load_hf_folder(path: Path, dtype: torch.dtype = torch.float32) -> tuple[Mode
     for f in files:  # the headers only
         try:
             with safe_open(str(f), framework="pt") as sf:
-                shapes.update((k, tuple(sf.get_slice(k).get_shape())) for k in sf.keys())
+                shapes.update((k, tuple(sf.get_slice(k).get_shape())) for k in sf.keys())  # noqa: SIM118 (a safetensors handle, not a dict)
         except (SafetensorError, OSError, ValueError) as e:
             raise ModelLoadError(f"{f}: corrupt safetensors file ({e})") from None
     try:

@@ -20,7 +20,7 @@ import torch
 
 from ..config import ModelConfig, check_int
 from ..errors import InvalidRequestError, ModelLoadError
-from ..tokenizer_nanochat import NanochatTokenizer
+from ..tokenizer import NanochatTokenizer
 
 # Preference when the caller names no source: the most trained first. ("mid" is the
 # midtraining stage of older nanochat versions.)
@@ -201,7 +201,7 @@ def build_config(cfg: dict, state: dict[str, torch.Tensor], era_name: str,
         raise InvalidRequestError(f"unknown nanochat override(s) {sorted(unknown)}; known: {', '.join(OVERRIDES)}")
     n_layer, n_head, n_embd, seq_len = cfg["n_layer"], cfg["n_head"], cfg["n_embd"], cfg["sequence_len"]
     n_kv_head = check_int(cfg.get("n_kv_head") or n_head, "model_config.n_kv_head")
-    # Before anything loops over the layers (fewer than the weights hold: _check_layout names the extra ones).
+    # Before anything loops over the layers (fewer than the weights hold: the model names the extra ones when it takes them).
     layers = {int(m.group(1)) for k in state if (m := re.match(r"transformer\.h\.(\d+)\.", k))}
     if n_layer > len(layers):
         raise ModelLoadError(f"model_config.n_layer {n_layer} is more than the {len(layers)} layers of weights "
@@ -262,23 +262,6 @@ def build_config(cfg: dict, state: dict[str, torch.Tensor], era_name: str,
     )
 
 
-def _check_layout(config: ModelConfig, state: dict[str, torch.Tensor]) -> None:
-    """Every tensor the architecture expects, with its shape, and nothing else."""
-    from ..models.nanochat import NanochatGPT
-
-    with torch.device("meta"):
-        expected = {k: v.shape for k, v in NanochatGPT(config).state_dict().items()}
-    for key, shape in expected.items():
-        if key not in state:
-            raise ModelLoadError(f"unknown tensor layout for era {config.extra['era']}: {key} is missing")
-        if state[key].shape != shape and not (key in SCALARS and state[key].numel() == shape.numel()):
-            raise ModelLoadError(f"unknown tensor layout: {key} has shape {list(state[key].shape)}, "
-                                 f"expected {list(shape)}")
-    extra = sorted(set(state) - set(expected))
-    if extra:
-        raise ModelLoadError(f"unknown tensor layout for era {config.extra['era']}: unexpected {', '.join(extra[:4])}")
-
-
 def load_nanochat(path: str | Path, dtype: torch.dtype = torch.float32, step: int | None = None,
                   tag: str | None = None, overrides: dict | None = None, source: str | None = None,
                   ) -> tuple[ModelConfig, dict[str, torch.Tensor], NanochatTokenizer, dict]:
@@ -295,14 +278,13 @@ def load_nanochat(path: str | Path, dtype: torch.dtype = torch.float32, step: in
     state = _read_state(model_file)
     era = detect_era(state)
     config = build_config(cfg, state, era, overrides)
-    _check_layout(config, state)
     if tokenizer.vocab_size != config.vocab_size:
         raise ModelLoadError(f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {config.vocab_size}")
 
     out = {}
     for key, t in state.items():
         if key in SCALARS:  # stored as [] or [1]; the model keeps [1]
-            out[key] = t.float().reshape(-1) if key.endswith("_lambdas") else t.float().reshape(1)
+            out[key] = t.float().reshape(-1)  # the model checks the count
         else:
             out[key] = t.to(dtype)  # cast once here, not per call
     info = {
@@ -322,9 +304,3 @@ def load_nanochat(path: str | Path, dtype: torch.dtype = torch.float32, step: in
         info["note"] = "eras C and D look alike; softcap 15 (era C) is assumed, pass softcap=20 for era D"
     config.extra.update(source=src, tag=info["tag"], step=step)
     return config, out, tokenizer, info
-
-
-def build_model(config: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device = "cpu"):
-    from ..models.nanochat import NanochatGPT
-    from . import build_module
-    return build_module(NanochatGPT, config, state, device, "nanochat weights")

@@ -165,10 +165,20 @@ class NanochatGPT(nn.Module):
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Take the tensors as they are (no copy): the model may have been built on the meta
-        device. Keys are nanochat's, already normalised by the loader."""
-        missing, unexpected = self.load_state_dict(state, strict=False, assign=True)
-        if missing or unexpected:
-            raise ValueError(f"weights do not fit the architecture: missing {missing[:4]}, unexpected {unexpected[:4]}")
+        device. Keys are nanochat's, already normalised by the loader; every tensor the era's
+        layout expects must be there with its shape, and nothing else."""
+        era = self.config.extra.get("era")
+        expected = {k: v.shape for k, v in self.state_dict().items()}
+        for key, shape in expected.items():
+            if key not in state:
+                raise ValueError(f"unknown tensor layout for era {era}: {key} is missing")
+            if state[key].shape != shape:
+                raise ValueError(f"unknown tensor layout: {key} has shape {list(state[key].shape)}, "
+                                 f"expected {list(shape)}")
+        extra = sorted(set(state) - set(expected))
+        if extra:
+            raise ValueError(f"unknown tensor layout for era {era}: unexpected {', '.join(extra[:4])}")
+        self.load_state_dict(state, strict=True, assign=True)
 
     def _smear(self, x: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
         """x_t += gate_t * x_{t-1}: a cheap bigram feature. x_{t-1} (the previous token's normed

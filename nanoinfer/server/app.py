@@ -28,12 +28,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ..async_engine import AsyncEngine
 from ..engine import LLMEngine
+from ..engine.async_engine import AsyncEngine
 from ..errors import InvalidRequestError
 from .metrics import ServerMetrics
-from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                       message_dicts, parse_request)
+from .protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    message_dicts,
+    parse_request,
+)
 from .serving import ClientGone, ServerConfig, Serving, as_api_error
 
 logger = logging.getLogger("nanoinfer.server")

@@ -5,9 +5,8 @@ import json
 import re
 
 from ..sampling import Logprob
-from ..tokenizer import _BYTE_TO_UNICODE, Tokenizer
+from ..tokenizer import UNICODE_TO_BYTE, TokenizerLike
 
-_UNICODE_TO_BYTE = {c: b for b, c in _BYTE_TO_UNICODE.items()}
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; OpenAI and vLLM use this floor too
 
@@ -31,7 +30,7 @@ class TokenText:
     """Each token's own text and bytes, as logprobs report them (cached: the same few thousand
     tokens come up again and again)."""
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: TokenizerLike):
         self.tokenizer = tokenizer
         self._text: dict[int, str] = {}
 
@@ -50,8 +49,8 @@ class TokenText:
             m = _BYTE_TOKEN.fullmatch(piece)
             if m:
                 return [int(m.group(1), 16)]
-            if piece and all(c in _UNICODE_TO_BYTE for c in piece):
-                return [_UNICODE_TO_BYTE[c] for c in piece]
+            if piece and all(c in UNICODE_TO_BYTE for c in piece):
+                return [UNICODE_TO_BYTE[c] for c in piece]
         return list(s.encode("utf-8"))
 
 

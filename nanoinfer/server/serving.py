@@ -16,10 +16,10 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
-from ..async_engine import AsyncEngine
+from ..engine.async_engine import AsyncEngine
+from ..engine.sequence import RequestOutput, StreamDelta
 from ..errors import InvalidRequestError, RequestFailedError
 from ..sampling import SamplingParams
-from ..engine.sequence import RequestOutput, StreamDelta
 from .outputs import CompletionLogprobs, TokenText, chat_logprobs, sse, usage
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, message_dicts
 from .tool_calls import ToolCallParser, parse_tool_calls
@@ -202,9 +202,7 @@ class Serving:
         }
 
     async def completion_prompts(self, prompt, parse_special: bool = True) -> list[Prompt]:
-        if isinstance(prompt, str):
-            prompt = [prompt]
-        elif prompt and all(isinstance(t, int) for t in prompt):
+        if isinstance(prompt, str) or prompt and all(isinstance(t, int) for t in prompt):
             prompt = [prompt]
         if not prompt:
             raise APIError("prompt must not be empty", "prompt")
@@ -330,7 +328,7 @@ class Serving:
         want_lp = params.logprobs is not None
         parsers = {i: ToolCallParser() for i in range(params.n)} if parse_tools else {}
         pending_lp: dict[int, list] = {i: [] for i in range(params.n)}  # logprobs of held-back text
-        num_calls = {i: 0 for i in range(params.n)}
+        num_calls = dict.fromkeys(range(params.n), 0)
         finished: set[int] = set()
         out: RequestOutput | None = None
 

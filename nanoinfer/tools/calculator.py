@@ -12,8 +12,8 @@ import ast
 import operator
 import string
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 TIME_LIMIT_S = 3.0
 MAX_EXPR_CHARS = 1000  # longer inputs are rejected before parsing: parse time stays tiny

@@ -27,7 +27,7 @@ class BoundTool:
     output_end_id: int
 
     @classmethod
-    def bind(cls, tool: Tool, tokenizer) -> "BoundTool | None":
+    def bind(cls, tool: Tool, tokenizer) -> BoundTool | None:
         ids = [tokenizer.token_to_id(t) for t in (tool.start_token, tool.end_token, tool.output_start, tool.output_end)]
         return None if None in ids else cls(tool, *ids)
 

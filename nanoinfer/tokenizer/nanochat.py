@@ -17,15 +17,14 @@ from typing import Any
 
 import tiktoken
 
-from .errors import InvalidRequestError, ModelLoadError
-from .tokenizer import _BYTE_TO_UNICODE
+from ..errors import InvalidRequestError, ModelLoadError
+from .byte_level import BYTE_TO_UNICODE, UNICODE_TO_BYTE
 
 # The last 9 ids of every nanochat vocabulary, in this order.
 SPECIAL_TOKENS = (
     "<|bos|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>",
     "<|python_start|>", "<|python_end|>", "<|output_start|>", "<|output_end|>",
 )
-_UNICODE_TO_BYTE = {c: b for b, c in _BYTE_TO_UNICODE.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,13 +117,13 @@ def load_encoding(path: str | Path) -> tiktoken.Encoding:
 # ---------------------------------------------------------------------------------------------
 
 class NanochatTokenizer:
-    """The engine's tokenizer interface (see nanoinfer.tokenizer.Tokenizer) over a tiktoken
+    """The engine's tokenizer interface (nanoinfer.tokenizer.TokenizerLike) over a tiktoken
     Encoding, with nanochat's conversation rendering instead of a Jinja chat template."""
 
     chat_template: str | None = None
     # Byte-level BPE decodes bytes first and replaces invalid UTF-8 once, so the streaming
     # detokenizer needs no byte-fallback bookkeeping (its trailing-U+FFFD hold-back suffices).
-    _byte_fallback_ids: frozenset[int] = frozenset()
+    byte_fallback_ids: frozenset[int] = frozenset()
 
     def __init__(self, encoding: tiktoken.Encoding) -> None:
         self.encoding = encoding
@@ -175,14 +174,14 @@ class NanochatTokenizer:
             raise InvalidRequestError(f"token id {i} is out of range (vocabulary size {self.vocab_size})")
         if i in self._id_to_special:
             return self._id_to_special[i]
-        return "".join(_BYTE_TO_UNICODE[b] for b in self.encoding.decode_single_token_bytes(i))
+        return "".join(BYTE_TO_UNICODE[b] for b in self.encoding.decode_single_token_bytes(i))
 
     def token_to_id(self, token: str) -> int | None:
         if token in self.encoding._special_tokens:
             return self.encoding._special_tokens[token]
-        if not token or any(c not in _UNICODE_TO_BYTE for c in token):
+        if not token or any(c not in UNICODE_TO_BYTE for c in token):
             return None
-        return self._ranks.get(bytes(_UNICODE_TO_BYTE[c] for c in token))
+        return self._ranks.get(bytes(UNICODE_TO_BYTE[c] for c in token))
 
     def is_special(self, i: int) -> bool:
         return i in self._special_set

@@ -16,9 +16,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from .engine import LLMEngine
-from .sampling import SamplingParams
-from .engine.sequence import RequestOutput, StreamDelta
+from ..sampling import SamplingParams
+from .core import LLMEngine
+from .sequence import RequestOutput, StreamDelta
 
 
 @dataclass

@@ -1,0 +1,121 @@
+"""The flags several commands share, defined once: the model (`--model`, `--dtype`,
+`--max-model-len`), the engine (`--max-num-seqs`, ...) and sampling (`--temperature`, ...),
+with what turns them into `SamplingParams` and engine arguments, and `run_command`, which
+prints a command's error as one line.
+
+`nanoinfer generate/chat/tokenize` (cli.py), `serve` (server/cli.py) and `bench`
+(bench/cli.py) build their parsers on this module, so it sits below all three and imports
+none of them: cli.py imports server.cli and bench.cli, never the other way round.
+
+A command whose default is known only later (bench sizes its engine per device) passes the
+default as text: the flag then parses to None and its help shows the text.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .errors import NanoinferError
+from .sampling import SamplingParams
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def byte_size(text: str) -> int:
+    """Bytes, with an optional K/M/G suffix (powers of 1024): 65536, 64K, 2G."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().removesuffix("b").removesuffix("i")
+    try:
+        return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 65536, 64K, 2G)") from None
+
+
+def _default(value: int | str) -> tuple[int | None, str]:
+    """(what the flag parses to when absent, what its help shows)."""
+    return (None, value) if isinstance(value, str) else (value, str(value))
+
+
+# --- the model ---------------------------------------------------------------------------
+def add_model_arg(p: argparse.ArgumentParser) -> None:
+    """`--model` alone, for commands that read only the tokenizer."""
+    p.add_argument("--model", "-m", default=None,
+                   help="GGUF file, Hugging Face folder or nanochat checkpoint "
+                        "(default: SmolLM2-135M-Instruct GGUF)")
+
+
+def add_model_args(p: argparse.ArgumentParser, *, dtype: str | None = "float32", dtype_rule: str = "",
+                   max_model_len: bool = True) -> None:
+    """--model, --dtype and (unless max_model_len=False) --max-model-len. dtype=None: the
+    command picks one later, as `dtype_rule` tells the help."""
+    add_model_arg(p)
+    p.add_argument("--dtype", default=dtype, help=f"float32 | bfloat16 | float16 (default {dtype or dtype_rule})")
+    if max_model_len:
+        p.add_argument("--max-model-len", type=positive_int, default=None, help="context window (default: the model's)")
+
+
+# --- the engine --------------------------------------------------------------------------
+def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: int | str = 64,
+                    max_num_batched_tokens: int | str = 512, kv_cache: bool = True) -> None:
+    """The scheduler's limits and (unless kv_cache=False) the KV cache's size and prefix
+    caching, in an "engine" group. Each command passes its own defaults."""
+    g = p.add_argument_group("engine")
+    default, shown = _default(max_num_seqs)
+    g.add_argument("--max-num-seqs", type=positive_int, default=default,
+                   help=f"sequences running in one step (default {shown})")
+    default, shown = _default(max_num_batched_tokens)
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=default,
+                   help=f"tokens in one step, prefill chunks included (default {shown})")
+    if kv_cache:
+        g.add_argument("--kv-cache-memory", type=byte_size, default=1 << 30, help="bytes for the KV cache (default 1G)")
+        g.add_argument("--no-prefix-caching", action="store_true", help="turn off prefix caching")
+
+
+def engine_kwargs(a: argparse.Namespace) -> dict:
+    """add_engine_args' flags (kv_cache=True) as `LLM(...)`'s engine arguments."""
+    return dict(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                kv_cache_memory=a.kv_cache_memory, enable_prefix_caching=not a.no_prefix_caching)
+
+
+# --- sampling ----------------------------------------------------------------------------
+def add_sampling_args(p: argparse.ArgumentParser, *, max_tokens: int) -> None:
+    # Defaults follow llama.cpp's CLI: a small model at temperature 1.0 rambles.
+    p.add_argument("--max-tokens", "-n", type=int, default=max_tokens,
+                   help=f"most tokens to generate (default {max_tokens})")
+    p.add_argument("--temperature", "-t", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--top-p", type=float, default=0.95, help="(default 0.95)")
+    p.add_argument("--top-k", type=int, default=40, help="(default 40)")
+    p.add_argument("--min-p", type=float, default=0.05, help="(default 0.05)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="(default 1.0: off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="(default 0.0: off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="(default 0.0: off)")
+    p.add_argument("--seed", type=int, default=None, help="seed of this request's sampling (default: random)")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params(a: argparse.Namespace) -> SamplingParams:
+    """add_sampling_args' flags as SamplingParams (which validates them: NanoinferError)."""
+    return SamplingParams(
+        temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
+        repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
+        frequency_penalty=a.frequency_penalty, seed=a.seed, max_tokens=a.max_tokens,
+        stop=a.stop, ignore_eos=a.ignore_eos)
+
+
+# --- running -----------------------------------------------------------------------------
+def run_command(a: argparse.Namespace) -> int:
+    """Run the parsed command (`a.func`). An error is one line `error: ...` and status 1;
+    a closed pipe (`| head`) is a normal end."""
+    try:
+        return a.func(a) or 0
+    except NanoinferError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        return 0

@@ -1,0 +1,63 @@
+"""Files -> a module ready to serve: a loader reads the files, the registry names the
+module for their architecture, and the module takes the tensors as they are."""
+from __future__ import annotations
+
+import importlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .. import registry
+from ..config import ModelConfig
+from ..errors import ModelLoadError
+from ..kernels.cpu_linear import adapt_linears
+from ..loaders import load_files
+from ..tokenizer import Tokenizer
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: Tokenizer
+    config: ModelConfig
+    path: Path
+    format: str  # "gguf" | "hf" | "nanochat"
+    load_seconds: float
+    info: dict = field(default_factory=dict)  # loader notes (nanochat: era, step, tag, ...)
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    module, cls = registry.by_name(architecture).model.split(":")
+    return getattr(importlib.import_module(f"{__package__}.{module}"), cls)
+
+
+def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu", overrides: dict | None = None) -> LoadedModel:
+    """overrides: for nanochat checkpoints (see loaders.load_files)."""
+    t0 = time.perf_counter()
+    files = load_files(path, dtype, overrides)
+    model = build_module(files.config, files.state, device, str(files.path))
+    return LoadedModel(model, files.tokenizer, files.config, files.path, files.format, time.perf_counter() - t0,
+                       files.info)
+
+
+def build_module(config: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device = "cpu",
+                 where: str = "the weights") -> nn.Module:
+    """Build on the meta device and take the loaders' tensors as they are (already in the
+    serving dtype: no copy, no second cast), then make the rotary tables on `device`.
+    Empties `state`: tensors the model did not keep as they are (fused projections copy
+    theirs) are freed before the linears are packed, which copies them once more."""
+    with torch.device("meta"):
+        model = model_class(config.architecture)(config)
+    try:
+        model.load_weights(state)
+    except (ValueError, RuntimeError) as e:
+        raise ModelLoadError(f"{where}: {' '.join(str(e).split())}") from None
+    state.clear()
+    model.reset_rope()  # the meta-device tables become real tensors
+    model = model.to(device).eval()
+    adapt_linears(model)  # CPU: weights packed once (bf16 for oneDNN, fp32 for the compiled GEMM)
+    return model

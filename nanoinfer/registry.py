@@ -1,0 +1,77 @@
+"""Every architecture nanoinfer serves, in one list: the names each file format gives it,
+the facts a file may leave unstated (the config adapter), and the module that runs it.
+
+Data only. Loaders read it to recognise a file and finish its ModelConfig, without
+importing any model code; the model builder (models/builder.py) imports the class an
+entry names when it builds the module. Adding a family is one model file and one entry
+here (docs/architecture.md, "How to add an architecture").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import ModelConfig
+from .errors import ModelLoadError
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str  # ModelConfig.architecture
+    model: str  # "module:Class" in nanoinfer.models, imported only when a model is built
+    hf_classes: tuple[str, ...] = ()  # config.json "architectures"
+    hf_model_types: tuple[str, ...] = ()  # config.json "model_type", for configs without "architectures"
+    gguf_names: tuple[str, ...] = ()  # GGUF general.architecture
+    checkpoint_format: str | None = None  # a file format of its own (loaders/<format>.py)
+    # The config adapter: facts of the family that a file may not state.
+    attention_bias: bool = False  # q/k/v projections carry a bias
+    qk_norm: bool = False  # per-head RMSNorm on q and k before rotary
+    sliding_window: bool = False  # config.json's sliding_window applies without use_sliding_window
+
+    def adapt(self, config: ModelConfig) -> ModelConfig:
+        config.architecture = self.name
+        config.attention_bias = config.attention_bias or self.attention_bias
+        config.qk_norm = config.qk_norm or self.qk_norm
+        return config
+
+
+ARCHITECTURES: tuple[Architecture, ...] = (
+    Architecture("llama", "llama:LlamaForCausalLM", ("LlamaForCausalLM",), ("llama",), ("llama",)),
+    # llama.cpp converts Mistral to its "llama" architecture; the GGUF loader tells them apart by name.
+    Architecture("mistral", "llama:LlamaForCausalLM", ("MistralForCausalLM",), ("mistral",), sliding_window=True),
+    Architecture("qwen2", "llama:LlamaForCausalLM", ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",),
+                 attention_bias=True),
+    Architecture("qwen3", "llama:LlamaForCausalLM", ("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",), qk_norm=True),
+    Architecture("nanochat", "nanochat:NanochatGPT", checkpoint_format="nanochat"),
+)
+
+
+def by_name(name: str) -> Architecture:
+    for arch in ARCHITECTURES:
+        if arch.name == name:
+            return arch
+    raise ModelLoadError(f"no architecture named {name!r} (known: {', '.join(a.name for a in ARCHITECTURES)})")
+
+
+def for_hf(classes: list[str] | None, model_type: str | None) -> Architecture:
+    """The entry for a config.json: its `architectures` first, else its `model_type`, as transformers does."""
+    if classes:
+        found = next((a for name in classes for a in ARCHITECTURES if name in a.hf_classes), None)
+        if found is None:
+            raise ModelLoadError(f"unsupported architecture {classes!r:.80}; supported: "
+                                 f"{', '.join(c for a in ARCHITECTURES for c in a.hf_classes)}")
+        return found
+    if model_type is None:
+        raise ModelLoadError("neither architectures nor model_type is given")
+    found = next((a for a in ARCHITECTURES if model_type in a.hf_model_types), None)
+    if found is None:
+        raise ModelLoadError(f"unsupported model_type {model_type!r:.60} (no architectures given); supported: "
+                             f"{', '.join(t for a in ARCHITECTURES for t in a.hf_model_types)}")
+    return found
+
+
+def for_gguf(name: object) -> Architecture:
+    found = next((a for a in ARCHITECTURES if name in a.gguf_names), None)
+    if found is None:
+        raise ModelLoadError(f"unsupported GGUF architecture {name!r:.60} (supported: "
+                             f"{', '.join(n for a in ARCHITECTURES for n in a.gguf_names)})")
+    return found

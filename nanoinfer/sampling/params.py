@@ -1,0 +1,102 @@
+"""Sampling parameters: vLLM's names and meanings, checked once, here."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import InvalidRequestError
+
+MAX_STOP_STRINGS = 64  # a stop string is matched on every token: bounded, so one request cannot slow all
+MAX_STOP_LENGTH = 256  # characters per stop string
+MAX_STOP_TOKEN_IDS = 1024
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what a torch.Generator takes
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 = greedy (exact argmax)
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None = until the context is full
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N alternatives per sampled token (OpenAI semantics)
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple, type(None))):
+            raise InvalidRequestError(f"stop={_show(self.stop)} must be a string or a list of strings", param="stop")
+        if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
+            raise InvalidRequestError(f"stop_token_ids={_show(self.stop_token_ids)} must be a list of integers",
+                                      param="stop_token_ids")
+        self.stop = [s for s in (self.stop or []) if s]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        num = lambda name, lo, hi: _number(getattr(self, name)) and lo <= getattr(self, name) <= hi  # noqa: E731
+        checks = [
+            ("n", isinstance(self.n, int) and self.n >= 1, "must be an integer >= 1"),
+            ("temperature", num("temperature", 0.0, 100.0), "must be in [0, 100]"),
+            ("top_p", num("top_p", 0.0, 1.0) and self.top_p > 0.0, "must be in (0, 1]"),
+            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "must be 0 or -1 (off) or a positive integer"),
+            ("min_p", num("min_p", 0.0, 1.0), "must be in [0, 1]"),
+            ("presence_penalty", num("presence_penalty", -2.0, 2.0), "must be in [-2, 2]"),
+            ("frequency_penalty", num("frequency_penalty", -2.0, 2.0), "must be in [-2, 2]"),
+            ("repetition_penalty", num("repetition_penalty", 0.0, 10.0) and self.repetition_penalty > 0.0,
+             "must be in (0, 10]"),
+            ("max_tokens", self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+             "must be an integer >= 1"),
+            ("min_tokens", isinstance(self.min_tokens, int) and self.min_tokens >= 0
+             and (self.max_tokens is None or self.min_tokens <= self.max_tokens), "must be in [0, max_tokens]"),
+            ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+             "must be in [0, 20]"),
+            ("seed", self.seed is None or (isinstance(self.seed, int) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]),
+             f"must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]"),
+            ("stop", len(self.stop) <= MAX_STOP_STRINGS and all(isinstance(x, str) for x in self.stop),
+             f"must be at most {MAX_STOP_STRINGS} strings"),
+            ("stop", all(len(x) <= MAX_STOP_LENGTH for x in self.stop if isinstance(x, str)),
+             f"must be strings of at most {MAX_STOP_LENGTH} characters"),
+            ("stop_token_ids", len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
+             and all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+             f"must be at most {MAX_STOP_TOKEN_IDS} non-negative integers"),
+        ]
+        for name, ok, rule in checks:
+            if not ok:
+                raise InvalidRequestError(f"{name}={_show(getattr(self, name))} {rule}", param=name)
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Token ids must name tokens of the model that serves the request."""
+        bad = next((t for t in self.stop_token_ids if t >= vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"stop_token_ids: {bad} is outside the vocabulary [0, {vocab_size})",
+                                      param="stop_token_ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+def _show(value) -> str:
+    """A value for an error message: floats in full (a subnormal must not read "0.0"), long lists cut."""
+    if isinstance(value, list) and len(value) > 8:
+        return f"[{', '.join(map(_show, value[:8]))}, ... ({len(value)} items)]"
+    if isinstance(value, str) and len(value) > 64:
+        return repr(value[:64] + "...")
+    return repr(value)
