@@ -17,7 +17,7 @@ from .errors import ModelLoadError
 @dataclass(frozen=True)
 class Architecture:
     name: str  # ModelConfig.architecture
-    model: str  # "module:Class" in nanoinfer.models, imported only when a model is built
+    model: str  # "module:Class", relative to nanoinfer.models when it starts with ".", imported when built
     hf_classes: tuple[str, ...] = ()  # config.json "architectures"
     hf_model_types: tuple[str, ...] = ()  # config.json "model_type", for configs without "architectures"
     gguf_names: tuple[str, ...] = ()  # GGUF general.architecture
@@ -35,13 +35,13 @@ class Architecture:
 
 
 ARCHITECTURES: tuple[Architecture, ...] = (
-    Architecture("llama", "llama:LlamaForCausalLM", ("LlamaForCausalLM",), ("llama",), ("llama",)),
+    Architecture("llama", ".llama:LlamaForCausalLM", ("LlamaForCausalLM",), ("llama",), ("llama",)),
     # llama.cpp converts Mistral to its "llama" architecture; the GGUF loader tells them apart by name.
-    Architecture("mistral", "llama:LlamaForCausalLM", ("MistralForCausalLM",), ("mistral",), sliding_window=True),
-    Architecture("qwen2", "llama:LlamaForCausalLM", ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",),
+    Architecture("mistral", ".llama:LlamaForCausalLM", ("MistralForCausalLM",), ("mistral",), sliding_window=True),
+    Architecture("qwen2", ".llama:LlamaForCausalLM", ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",),
                  attention_bias=True),
-    Architecture("qwen3", "llama:LlamaForCausalLM", ("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",), qk_norm=True),
-    Architecture("nanochat", "nanochat:NanochatGPT", checkpoint_format="nanochat"),
+    Architecture("qwen3", ".llama:LlamaForCausalLM", ("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",), qk_norm=True),
+    Architecture("nanochat", ".nanochat:NanochatGPT", checkpoint_format="nanochat"),
 )
 
 

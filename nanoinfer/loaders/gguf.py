@@ -296,7 +296,8 @@ def gguf_config(meta: Mapping[str, Any], tensor_shapes: Mapping[str, Sequence[in
     if family.name == "llama" and ("mistral" in name or sliding_window is not None):
         family = registry.by_name("mistral")
 
-    extra = {"gguf_architecture": arch}
+    # the family's own fields (its "{arch}." keys), for its module to read
+    extra = {"gguf_architecture": arch, "gguf_fields": {k: v for k, v in meta.items() if k.startswith(f"{arch}.")}}
     if (rope_dim := meta.get(f"{arch}.rope.dimension_count")) is not None:
         if check_int(rope_dim, f"{arch}.rope.dimension_count") != head_dim:  # models/llama.py rotates the whole head
             raise ModelLoadError(f"partial rotary embeddings ({rope_dim} of {head_dim} dims) are not supported")

@@ -81,6 +81,7 @@ def hf_config(raw: dict) -> ModelConfig:
         attention_bias=bool(raw.get("attention_bias", False)),
         rope_scaling=scaling,
         sliding_window=None if window is None else check_int(window, "sliding_window"),
+        extra={"hf_config": raw},  # the family's own fields, for its module to read
     ))
 
 

@@ -31,7 +31,7 @@ class LoadedModel:
 
 def model_class(architecture: str) -> type[nn.Module]:
     module, cls = registry.by_name(architecture).model.split(":")
-    return getattr(importlib.import_module(f"{__package__}.{module}"), cls)
+    return getattr(importlib.import_module(module, package=__package__), cls)
 
 
 def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32,

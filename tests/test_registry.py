@@ -1,0 +1,72 @@
+"""The architecture registry: one list for every format, and a new family is one module plus
+one entry (nothing in the loaders, the engine or the surfaces changes)."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from torch import nn
+
+from nanoinfer import LLM, SamplingParams, registry
+from nanoinfer.errors import ModelLoadError
+from nanoinfer.models.builder import load_model, model_class
+from nanoinfer.models.llama import LlamaForCausalLM
+
+from gguf_export import write_gguf_from_hf
+
+
+def test_every_entry_names_a_module_that_serves():
+    for arch in registry.ARCHITECTURES:
+        cls = model_class(arch.name)
+        assert issubclass(cls, nn.Module)
+        assert all(callable(getattr(cls, m, None)) for m in ("load_weights", "reset_rope", "forward"))
+
+
+def test_names_are_unique_across_the_list():
+    for field in ("name", "hf_classes", "hf_model_types", "gguf_names"):
+        names = [n for a in registry.ARCHITECTURES for n in ((getattr(a, field),) if field == "name"
+                                                             else getattr(a, field))]
+        assert len(names) == len(set(names)), field
+
+
+def test_hf_and_gguf_are_recognised_through_the_same_entry(make_hf_model, tiny_tokenizer_dir, tmp_path):
+    model, folder = make_hf_model("qwen3")
+    gguf = write_gguf_from_hf(model, tiny_tokenizer_dir, tmp_path / "q.gguf")
+    a, b = load_model(folder).config, load_model(gguf).config
+    assert a.architecture == b.architecture == registry.for_hf(["Qwen3ForCausalLM"], None).name
+    assert a.qk_norm and b.qk_norm  # the entry's adapter, whatever the file states
+    with pytest.raises(ModelLoadError, match="unsupported GGUF architecture 'gpt2'"):
+        registry.for_gguf("gpt2")
+
+
+class TwinForCausalLM(LlamaForCausalLM):
+    """A stand-in for a new family's module (here it keeps Llama's maths and names)."""
+
+    built = 0
+
+    def __init__(self, config):
+        super().__init__(config)
+        TwinForCausalLM.built += 1
+
+
+def test_a_new_family_is_one_module_and_one_entry(make_hf_model, monkeypatch, tmp_path):
+    """An HF folder whose config.json says TwinForCausalLM loads, generates and serves once the
+    registry has one entry for it: no loader, engine or surface knows the name."""
+    _, src = make_hf_model("llama")
+    path = tmp_path / "twin"
+    shutil.copytree(src, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "architectures": ["TwinForCausalLM"],
+                                                  "model_type": "twin", "twin_factor": 3}))
+    with pytest.raises(ModelLoadError, match="unsupported architecture"):
+        load_model(path)
+    entry = registry.Architecture("twin", f"{__name__}:TwinForCausalLM", hf_classes=("TwinForCausalLM",))
+    monkeypatch.setattr(registry, "ARCHITECTURES", (*registry.ARCHITECTURES, entry))
+    llm = LLM(path)
+    assert isinstance(llm.loaded.model, TwinForCausalLM) and TwinForCausalLM.built == 1
+    assert llm.loaded.config.architecture == "twin"
+    assert llm.loaded.config.extra["hf_config"]["twin_factor"] == 3  # the family's own fields reach it
+    ours = llm.generate([5, 6, 7], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].outputs[0]
+    plain = LLM(src).generate([5, 6, 7], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].outputs[0]
+    assert ours.token_ids == plain.token_ids
