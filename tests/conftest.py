@@ -107,6 +107,12 @@ def make_hf_model(tiny_tokenizer_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def llama_dir(make_hf_model) -> Path:
+    """The tiny untied Llama folder most engine tests run on."""
+    return make_hf_model("llama")[1]
+
+
+@pytest.fixture(scope="session")
 def long_reply_model(make_hf_model, tmp_path_factory) -> Path:
     """The tiny Llama with a 65536-token window and its EOS row of the LM head zeroed (a
     logit of 0 against 400 random ones: greedy never picks it), so a long reply runs for

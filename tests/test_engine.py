@@ -11,11 +11,6 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def llama_dir(make_hf_model):
-    return make_hf_model("llama")[1]
-
-
-@pytest.fixture(scope="module")
 def llm(llama_dir):
     return LLM(llama_dir)
 

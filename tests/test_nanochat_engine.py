@@ -77,3 +77,26 @@ def test_conversation_longer_than_sequence_len(root, llm):
     out = long.generate({"prompt_token_ids": [5] * (seq_len - 4)},
                         SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == 40 and out.finish_reason == "length"
+
+
+def test_compat_engine_raises_a_failed_request(llm, monkeypatch):
+    """An error inside one request's sampling ends it with RequestFailedError in nanochat's
+    API too (before, generate() looped for ever and generate_batch returned aborted rows)."""
+    from nanoinfer.errors import RequestFailedError
+    from nanoinfer.sampling import RowSampler
+
+    sample = RowSampler.sample
+
+    def faulty(self, logits, argmax=None):
+        if self.num_generated == 2:
+            raise ArithmeticError("injected")
+        return sample(self, logits, argmax)
+
+    monkeypatch.setattr(RowSampler, "sample", faulty)
+    engine = Engine(llm.loaded.model, llm.tokenizer)
+    prompt = llm.tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
+    with pytest.raises(RequestFailedError, match="injected"):
+        list(engine.generate(prompt, num_samples=2, max_tokens=8))
+    with pytest.raises(RequestFailedError, match="injected"):
+        engine.generate_batch(prompt, num_samples=2, max_tokens=8)
+    assert not engine.engine.requests and not engine.engine.has_unfinished()

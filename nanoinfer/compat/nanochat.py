@@ -50,14 +50,17 @@ class Engine:
         queues = [deque() for _ in range(num_samples)]
         last = [None] * num_samples
         done = [False] * num_samples
+        deltas = self.engine.stream(rid)  # steps the engine; raises if the request fails
         try:
             while True:
                 # step until every live row has a token ready
                 while not all(queues[i] or done[i] for i in range(num_samples)):
-                    for d in self.engine.step():
-                        if d.request_id == rid:
-                            queues[d.index].extend(zip(d.token_ids, d.token_masks))
-                            done[d.index] = d.finished
+                    d = next(deltas, None)
+                    if d is None:  # every row has finished
+                        done = [True] * num_samples
+                        break
+                    queues[d.index].extend(zip(d.token_ids, d.token_masks))
+                    done[d.index] = d.finished
                 if all(done[i] and not queues[i] for i in range(num_samples)):
                     return
                 column, masks = [], []
@@ -79,8 +82,8 @@ class Engine:
         rid = self._submit(tokens, num_samples, kwargs.get("max_tokens"), kwargs.get("temperature", 1.0),
                            kwargs.get("top_k"), kwargs.get("seed", 42))
         try:
-            while self.engine.has_unfinished() and not self.engine.output(rid).finished:
-                self.engine.step()
+            for _ in self.engine.stream(rid):  # raises if the request fails
+                pass
         finally:
             out = self.engine.release(rid)
         sequences, masks = [], []
