@@ -208,6 +208,8 @@ def test_hf_model_type_without_architectures(make_hf_model, tmp_path):
     del config["architectures"]
     (path / "config.json").write_text(json.dumps(config))
     loaded = load_model(path)
+    assert loaded.config.extra.pop("hf_config") == config  # the file as written, for the family's module
+    reference.config.extra.pop("hf_config")
     assert loaded.config == reference.config
     ours, theirs = loaded.model.state_dict(), reference.model.state_dict()
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
