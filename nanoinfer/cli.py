@@ -1,5 +1,5 @@
-"""`nanoinfer` command line: generate, chat, tokenize; serve and bench come from
-server/cli.py and bench/cli.py. The flags these share are defined in cli_args.py."""
+"""`nanoinfer` command line: generate, chat, tokenize; serve, bench and perplexity come from
+server/cli.py, bench/cli.py and bench/perplexity.py. The flags these share are defined in cli_args.py."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from .bench.cli import add_bench_parser
+from .bench.perplexity import add_perplexity_parser
 from .cli_args import add_model_arg, add_model_args, add_sampling_args, run_command, sampling_params
 from .errors import NanoinferError
 from .server.cli import add_serve_parser
@@ -238,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parser(sub)
     add_bench_parser(sub)
+    add_perplexity_parser(sub)
     return p
 
 

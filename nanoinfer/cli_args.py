@@ -54,7 +54,9 @@ def add_model_args(p: argparse.ArgumentParser, *, dtype: str | None = "float32",
     """--model, --dtype and (unless max_model_len=False) --max-model-len. dtype=None: the
     command picks one later, as `dtype_rule` tells the help."""
     add_model_arg(p)
-    p.add_argument("--dtype", default=dtype, help=f"float32 | bfloat16 | float16 (default {dtype or dtype_rule})")
+    p.add_argument("--dtype", default=dtype,
+                   help=f"auto (a GGUF as stored, on the block-format kernels) | float32 | bfloat16 | float16 "
+                        f"(default {dtype or dtype_rule})")
     if max_model_len:
         p.add_argument("--max-model-len", type=positive_int, default=None, help="context window (default: the model's)")
 
@@ -72,7 +74,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: int | str = 64,
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=default,
                    help=f"tokens in one step, prefill chunks included (default {shown})")
     if kv_cache:
-        g.add_argument("--kv-cache-memory", type=byte_size, default=1 << 30, help="bytes for the KV cache (default 1G)")
+        g.add_argument("--kv-cache-memory", type=byte_size, default=None,
+                       help="bytes for the KV cache (default: room for --max-num-seqs full contexts, at most a quarter "
+                            "of the available memory)")
         g.add_argument("--no-prefix-caching", action="store_true", help="turn off prefix caching")
 
 

@@ -14,7 +14,8 @@ from .errors import InvalidRequestError
 from .models.builder import load_model
 from .sampling import SamplingParams
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+# "auto": a GGUF's weights as stored, run by the block-format kernels; other formats float32.
+DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
 # A prompt: text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...} dicts.

@@ -211,7 +211,8 @@ def test_shared_flags_parse_the_same_everywhere():
     lat, thr = parse(["bench", "latency"]), parse(["bench", "throughput"])
     assert (gen.dtype, serve.dtype, lat.dtype, thr.dtype) == ("float32", "float32", None, None)
     assert (gen.max_tokens, chat.max_tokens, gen.temperature, gen.seed, lat.seed) == (256, 512, 0.8, None, 0)
-    assert (serve.max_num_seqs, serve.max_num_batched_tokens, serve.kv_cache_memory) == (64, 512, 1 << 30)
+    # kv_cache_memory None: the pool follows the model and the machine
+    assert (serve.max_num_seqs, serve.max_num_batched_tokens, serve.kv_cache_memory) == (64, 512, None)
     assert (thr.max_num_seqs, thr.max_num_batched_tokens) == (None, None)  # sized per device later
     assert parse(["generate", "x"], "-n", "4").max_tokens == 4  # -n is each command's own
     assert parse(["bench", "throughput"], "-n", "4").num_requests == 4

@@ -227,3 +227,27 @@ def test_failing_request_ends_alone_in_the_server(llama_dir, failing_seed):
         assert texts == [llm.tokenizer.decode(a) for a in alone]
         assert httpx.get(f"{url}/health", timeout=10).json()["status"] == "ok"
         assert pool_is_empty(llm)
+
+
+def test_default_kv_pool_follows_the_model_and_the_machine(llama_dir):
+    from nanoinfer.engine.core import default_kv_pool_bytes
+
+    per_token, context = 1000, 2048
+    assert default_kv_pool_bytes(per_token, context, 64, 1 << 40) == per_token * context * 64  # all fit
+    assert default_kv_pool_bytes(per_token, context, 64, 100 << 20) == 25 << 20  # a quarter of what is free
+    assert default_kv_pool_bytes(per_token, context, 64, 1 << 20) == per_token * context  # one full context
+    llm = LLM(llama_dir)
+    engine = llm.engine
+    assert engine.max_model_len == engine.model_config.max_position_embeddings
+    assert engine.blocks.num_free * engine.config.block_size >= engine.max_model_len
+
+
+def test_kv_pool_pages_cost_nothing_until_used():
+    import resource
+
+    from nanoinfer.attention import PagedKVCache
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    cache = PagedKVCache.allocate(24, 8192, 16, 4, 64, torch.float32, "cpu")  # 2 x 3 GiB, untouched
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 << 10  # KiB
+    assert float(cache.k[:, 100].abs().sum()) == 0.0 and cache.k.is_contiguous()

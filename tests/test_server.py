@@ -506,7 +506,8 @@ def test_tool_result_turn_and_tool_choice_none(tool_client):
 # --- graceful shutdown -------------------------------------------------------------------
 
 def test_sigterm_lets_in_flight_stream_finish(model_path):
-    server = start_server(["--model", str(model_path), "--kv-cache-memory", "16M", "--log-level", "warning"])
+    server = start_server(["--model", str(model_path), "--kv-cache-memory", "16M", "--log-level", "warning",
+                           "--shutdown-timeout", "120"])  # ample: finishing must not depend on load
     try:
         body = {"prompt": "Tell me a story", "max_tokens": 120, "temperature": 0, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:

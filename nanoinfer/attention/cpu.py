@@ -1,6 +1,10 @@
-"""Paged attention on the CPU: prefill chunks as in the PyTorch backend, decodes in the
-compiled kernel (csrc/paged_attention.cpp), which reads each sequence's blocks where they
-lie instead of gathering them into a padded copy per layer."""
+"""Paged attention on the CPU in the C++ kernel (csrc/paged_attention.cpp), which reads each
+sequence's blocks where they lie instead of gathering them into a padded copy per layer.
+
+Every query row goes through it, prefill rows too: a row attends over the keys up to its
+own position, as stored in the cache, in an order fixed by its position alone. So a row's
+output is bit-identical however its prompt was chunked and whatever runs beside it, and a
+chunk never attends to its own unrounded k/v while later steps read rounded ones."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,6 +17,8 @@ from .paged import PagedMetadata, TorchPagedAttention
 
 @dataclass
 class CpuPagedAttention(TorchPagedAttention):
+    every_row_reads_the_cache = True  # the runner makes every row a one-row query (no prefill slices)
+
     def decode(self, layer: int, q: torch.Tensor, out: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                meta: PagedMetadata) -> None:
         p = self.params[layer]

@@ -2,6 +2,8 @@
 Which block belongs to whom is the engine's KV manager's business; this is only storage."""
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +22,8 @@ class PagedKVCache:
     def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device) -> PagedKVCache:
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        if torch.device(device).type == "cpu":
+            return cls(_untouched_zeros(shape, dtype), _untouched_zeros(shape, dtype))
         return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -28,3 +32,11 @@ class PagedKVCache:
             dst = torch.tensor([d for _, d in pairs], device=self.k.device)
             self.k[:, dst] = self.k[:, src]
             self.v[:, dst] = self.v[:, src]
+
+
+def _untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros in an anonymous mapping: the kernel hands out a page when it is first written, so
+    a pool costs resident memory only for the blocks sequences have used (torch.zeros writes
+    every page at once)."""
+    buf = mmap.mmap(-1, max(1, math.prod(shape) * torch.empty(0, dtype=dtype).element_size()))
+    return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps the mapping alive

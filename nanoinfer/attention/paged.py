@@ -56,6 +56,7 @@ class PagedMetadata:
 class TorchPagedAttention:
     params: list[AttentionParams]  # per layer
     cache: PagedKVCache
+    every_row_reads_the_cache = False  # prefill chunks attend in slices (SDPA); only decodes go row by row
 
     def forward(self, layer, q, k, v, meta: PagedMetadata):
         kc, vc = self.cache.k[layer], self.cache.v[layer]  # [blocks, block_size, Hkv, D]

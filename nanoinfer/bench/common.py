@@ -77,7 +77,7 @@ def setup(args: argparse.Namespace, need_peaks: bool = True) -> BenchEnv:
     loaded = load_model(args.model, dtype=DTYPES[dtype], device=device)
     progress_done()
     if need_peaks:
-        peaks = resolve_peaks(device, DTYPES[dtype], peak_flops, peak_bandwidth,
+        peaks = resolve_peaks(device, DTYPES[dtype] or torch.float32, peak_flops, peak_bandwidth,
                               getattr(args, "remeasure_peaks", False))
     else:
         peaks = Peaks(0.0, 0.0, "unused", device_name(device))

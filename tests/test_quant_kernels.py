@@ -1,0 +1,307 @@
+"""The quantised-weight CPU kernels (csrc/quant_gemm.cpp through nanoinfer/kernels/quant.py)
+against gguf's own dequantisation, in fp64.
+
+The kernels quantise each activation row per block (max|x| / 127, ties to even), as
+llama.cpp does, so they are checked twice:
+- tight: against x_hat @ W^T, x_hat the activations quantised here the same way (fp32 steps,
+  as the C++ does them), within fp32 rounding: (chain + 16) * 2^-24 * sum |x_hat| |w_parts|;
+- the bound of the method: against x @ W^T, within that plus sum_i |w_i| * d_x(i) * 0.501 (each
+  activation moves by at most half a step d_x / 2 of its block, d_x = max|x| / 127).
+And the rest of the contract: bit-identical rows whatever the batch, the same bits on every
+path, dequantize_rows exactly gguf's values, clear errors for bad arguments.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from nanoinfer.kernels import cpu_kernels, quant
+
+if shutil.which("c++") is None and shutil.which("g++") is None:
+    pytest.skip("no C++ compiler: the kernels cannot be built here", allow_module_level=True)
+
+TYPES = list(quant.QUANT_TYPES)
+K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
+WITH_MIN = {T.Q4_1: 2, T.Q5_1: 2, T.Q4_K: 2, T.Q5_K: 2}  # byte offset of the fp16 min (dmin) in a block
+MS = (1, 2, 3, 5, 8, 17, 64)
+
+
+def test_kernel_builds():
+    """With a compiler the library must build and every listed type must have a kernel."""
+    assert cpu_kernels.library() is not None
+    assert all(quant.supported(t) for t in TYPES)
+    assert not quant.supported(T.Q2_K) and not quant.supported(T.F32)
+    assert "portable" in quant.paths()
+    flags = Path("/proc/cpuinfo").read_text().split() if os.path.exists("/proc/cpuinfo") else []
+    if {"avx2", "fma", "f16c"} <= set(flags):
+        assert "avx2" in quant.paths()
+
+
+@pytest.fixture(params=["portable", "avx2"])
+def path(request):
+    if request.param not in quant.paths():
+        pytest.skip(f"path {request.param} not available on this CPU")
+    quant.set_path(request.param)
+    yield request.param
+    quant.set_path(None)
+
+
+def shape(qtype: int, N: int = 37) -> tuple[int, int]:
+    """[N, K]: K a multiple of the block but not of 256 (not of 16 for F16/BF16), N odd."""
+    if qtype in K_QUANTS:
+        return N, 768
+    if qtype in (T.F16, T.BF16):
+        return N, 100
+    return N, 352  # 11 blocks of 32: a group of 8 and a tail of 3
+
+
+def make_weights(qtype: int, N: int, K: int, seed: int = 0) -> np.ndarray:
+    """Random [N, row_bytes] uint8 blocks: gguf's quantiser where it has one, else random
+    bytes with fp16 scales of either sign (and one zero scale)."""
+    rng = np.random.default_rng(seed)
+    bs, ts = gguf.GGML_QUANT_SIZES[qtype]
+    if qtype not in K_QUANTS:
+        W = (rng.standard_normal((N, K)) * rng.uniform(0.01, 0.2, (N, 1))).astype(np.float32)
+        W[:, rng.integers(0, K, 3)] *= 8  # outliers: blocks of very different scales
+        q = gguf.quants.quantize(W, qtype)
+        return np.ascontiguousarray(q).view(np.uint8).reshape(N, K // bs * ts)
+    raw = rng.integers(0, 256, (N, K // bs, ts), dtype=np.uint8)
+    d_at = 208 if qtype == T.Q6_K else 0
+    scales = (rng.standard_normal((N, K // bs, 2)) * 2e-3).astype(np.float16)
+    scales[0, 0] = 0
+    raw[:, :, d_at:d_at + 2] = scales[:, :, :1].view(np.uint8)
+    if qtype in WITH_MIN:
+        raw[:, :, 2:4] = scales[:, :, 1:].view(np.uint8)
+    return raw.reshape(N, -1)
+
+
+def dequantize(w: np.ndarray, qtype: int) -> np.ndarray:
+    return gguf.quants.dequantize(w, qtype).astype(np.float64)
+
+
+def quantize_x(x: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x_hat (fp64) and each value's step d_x (fp64), computed in fp32 as the C++ does."""
+    if qtype in (T.F16, T.BF16):
+        return x.double(), torch.zeros_like(x, dtype=torch.float64)
+    B = 256 if qtype in K_QUANTS else 32
+    M, K = x.shape
+    xb = x.reshape(M, K // B, B)
+    amax = xb.abs().amax(-1, keepdim=True)
+    d = amax * torch.tensor(np.float32(1) / np.float32(127))
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
+    q = torch.round(xb * inv).clamp(-127, 127)
+    x_hat = (q.double() * d.double()).reshape(M, K)
+    return x_hat, d.double().expand(M, K // B, B).reshape(M, K)
+
+
+def magnitude(x_hat: torch.Tensor, w: np.ndarray, qtype: int) -> torch.Tensor:
+    """sum over k of |x_hat| times the size of the parts the kernel sums (for formats with a
+    min, the scaled part and the min part apart: they are summed separately)."""
+    Wd = dequantize(w, qtype)
+    parts = np.abs(Wd)
+    if qtype in WITH_MIN:
+        bs, ts = gguf.GGML_QUANT_SIZES[qtype]
+        no_min = w.reshape(w.shape[0], -1, ts).copy()
+        no_min[:, :, 2:4] = 0
+        scaled = dequantize(no_min.reshape(w.shape), qtype)
+        parts = np.abs(scaled) + np.abs(Wd - scaled)
+    return x_hat.abs() @ torch.from_numpy(parts).T
+
+
+def chain(qtype: int, K: int) -> int:
+    """Roundings that can reach one output: the per-block (or per-k) fused multiply-adds of a
+    lane, plus the products of scales, the conversions and the final sums."""
+    if qtype in (T.F16, T.BF16):
+        return K // 16 + 1
+    return 2 * (K // gguf.GGML_QUANT_SIZES[qtype][0]) + 2
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: T(t).name)
+def test_matches_dequantised(qtype, path):
+    N, K = shape(qtype)
+    w_np = make_weights(qtype, N, K)
+    w = torch.from_numpy(w_np)
+    Wd = torch.from_numpy(dequantize(w_np, qtype))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(max(MS), K, generator=g) * torch.rand(max(MS), 1, generator=g) * 3
+    x[3] = 0  # an all-zero row: every block scale 0
+    x[:, 5] *= 20  # an outlier feature
+    bias = torch.randn(N, generator=g)
+    x_hat, step = quantize_x(x, qtype)
+    mag = magnitude(x_hat, w_np, qtype)
+    tight = (chain(qtype, K) + 16) * 2.0 ** -24 * mag + 1e-30
+    method = (step * 0.501) @ Wd.abs().T  # |x_hat - x| <= d_x / 2 (and fp32 rounding of d, 1/d)
+    for M in MS:
+        for b in (None, bias):
+            y = quant.linear(x[:M].contiguous(), w, qtype, b).double()
+            extra = 0 if b is None else b.double()
+            tol = tight[:M] + (0 if b is None else 2.0 ** -24 * b.double().abs())  # the bias add rounds once more
+            assert y.shape == (M, N)
+            err_tight = (y - (x_hat[:M] @ Wd.T + extra)).abs()
+            assert (err_tight <= tol).all(), f"M={M}: {(err_tight / tol).max():.3g} x the fp32 bound"
+            err = (y - (x[:M].double() @ Wd.T + extra)).abs()
+            assert (err <= method[:M] + tol).all(), f"M={M}: {(err / (method[:M] + tol)).max():.3g} x the bound"
+    if qtype not in (T.F16, T.BF16):  # the bound is not vacuous: the error reaches a fair share of it
+        y = quant.linear(x, w, qtype).double()
+        assert ((y - x.double() @ Wd.T).abs() / (method + tight)).max() > 0.05
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: T(t).name)
+@pytest.mark.parametrize("N", [37, 301])  # 301: enough work that the threads split N
+def test_rows_do_not_depend_on_the_batch(qtype, path, N):
+    """Row r's output bits are the same alone, in any prefix of the batch, in any order and
+    tile position (tiles of 4 rows, pairs of weight rows, threads splitting N)."""
+    _, K = shape(qtype)
+    w = torch.from_numpy(make_weights(qtype, N, K, seed=2))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, K, generator=g)
+    bias = torch.randn(N, generator=g)
+    full = quant.linear(x, w, qtype, bias)
+    for M in MS:
+        assert torch.equal(bits(quant.linear(x[:M].contiguous(), w, qtype, bias)), bits(full[:M])), f"M={M}"
+    for r in (0, 5, 62, 63):
+        assert torch.equal(bits(quant.linear(x[r:r + 1].contiguous(), w, qtype, bias)), bits(full[r:r + 1]))
+    perm = torch.randperm(64, generator=g)
+    assert torch.equal(bits(quant.linear(x[perm].contiguous(), w, qtype, bias)), bits(full[perm]))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: T(t).name)
+def test_paths_agree_bit_for_bit(qtype):
+    if len(quant.paths()) < 2:
+        pytest.skip("one path on this CPU")
+    N, K = shape(qtype, 301)
+    w = torch.from_numpy(make_weights(qtype, N, K, seed=4))
+    x = torch.randn(17, K, generator=torch.Generator().manual_seed(5))
+    outs = []
+    try:
+        for p in quant.paths():
+            quant.set_path(p)
+            outs.append(quant.linear(x, w, qtype))
+    finally:
+        quant.set_path(None)
+    for y in outs[1:]:
+        assert torch.equal(bits(y), bits(outs[0]))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: T(t).name)
+def test_dequantize_rows_is_gguf_exactly(qtype):
+    N, K = shape(qtype)
+    w_np = make_weights(qtype, N, K, seed=6)
+    rows = torch.tensor([0, 36, 5, 5, 17], dtype=torch.int64)
+    got = quant.dequantize_rows(torch.from_numpy(w_np), qtype, K, rows)
+    want = torch.from_numpy(gguf.quants.dequantize(w_np, qtype).astype(np.float32))[rows]
+    assert got.shape == (5, K)
+    assert torch.equal(bits(got), bits(want))
+    assert quant.dequantize_rows(torch.from_numpy(w_np), qtype, K, torch.zeros(0, dtype=torch.int64)).shape == (0, K)
+
+
+def test_special_values_of_f16_scales():
+    """Subnormal, zero and negative fp16 scales dequantise and multiply as gguf's numpy does."""
+    K, N = 64, 4
+    w = make_weights(T.Q8_0, N, K, seed=7)
+    blocks = w.reshape(N, 2, 34)
+    for i, h in enumerate((0x0001, 0x03ff, 0x8000, 0xbc00)):  # subnormals, -0, -1
+        blocks[i, 0, :2] = np.array([h], dtype=np.uint16).view(np.uint8)
+    want = dequantize(w, T.Q8_0)
+    got = quant.dequantize_rows(torch.from_numpy(w), T.Q8_0, K, torch.arange(N))
+    assert torch.equal(bits(got), bits(torch.from_numpy(want.astype(np.float32))))
+    x = torch.randn(2, K)
+    y = quant.linear(x, torch.from_numpy(w), T.Q8_0).double()
+    x_hat, step = quantize_x(x, T.Q8_0)
+    assert torch.allclose(y, x_hat @ torch.from_numpy(want).T, rtol=1e-5, atol=1e-30)
+
+
+def test_edges():
+    N, K = shape(T.Q4_0)
+    w = torch.from_numpy(make_weights(T.Q4_0, N, K))
+    assert quant.linear(torch.zeros(0, K), w, T.Q4_0).shape == (0, N)
+    assert torch.equal(quant.linear(torch.zeros(2, K), w, T.Q4_0), torch.zeros(2, N))
+    assert quant.block_size(T.Q4_K) == 256 and quant.row_bytes(T.Q4_K, 512) == 288
+    assert quant.block_size(T.F16) == 1 and quant.row_bytes(T.BF16, 10) == 20
+
+
+def test_bad_arguments_raise():
+    N, K = shape(T.Q4_0)
+    w = torch.from_numpy(make_weights(T.Q4_0, N, K))
+    x = torch.randn(3, K)
+    with pytest.raises(TypeError, match="float32"):
+        quant.linear(x.double(), w, T.Q4_0)
+    with pytest.raises(TypeError, match="uint8"):
+        quant.linear(x, w.to(torch.int8), T.Q4_0)
+    with pytest.raises(ValueError, match="2-D"):
+        quant.linear(x[0], w, T.Q4_0)
+    with pytest.raises(ValueError, match="contiguous"):
+        quant.linear(torch.randn(K, 3).T, w, T.Q4_0)
+    with pytest.raises(ValueError, match="contiguous"):
+        quant.linear(x, w[:, :-2], T.Q4_0)  # a view with a row stride: not contiguous
+    with pytest.raises(ValueError, match="bytes per row"):
+        quant.linear(x, w[:, :-18].contiguous(), T.Q4_0)
+    with pytest.raises(ValueError, match="bytes per row"):
+        quant.linear(torch.randn(3, K - 32), w, T.Q4_0)
+    with pytest.raises(ValueError, match="multiple"):
+        quant.linear(torch.randn(3, K - 1), w, T.Q4_0)
+    with pytest.raises(ValueError, match="outputs"):
+        quant.linear(x, w, T.Q4_0, torch.zeros(N + 1))
+    with pytest.raises(TypeError, match="float32"):
+        quant.linear(x, w, T.Q4_0, torch.zeros(N, dtype=torch.float64))
+    with pytest.raises(ValueError, match="no quantised kernel"):
+        quant.linear(x, w, T.Q2_K)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        quant.linear(x.numpy(), w, T.Q4_0)
+    with pytest.raises(IndexError):
+        quant.dequantize_rows(w, T.Q4_0, K, torch.tensor([0, N]))
+    with pytest.raises(IndexError):
+        quant.dequantize_rows(w, T.Q4_0, K, torch.tensor([-1]))
+    with pytest.raises(TypeError, match="int64"):
+        quant.dequantize_rows(w, T.Q4_0, K, torch.tensor([0], dtype=torch.int32))
+    with pytest.raises(ValueError, match="bytes per row"):
+        quant.dequantize_rows(w, T.Q4_0, K + 32, torch.tensor([0]))
+    with pytest.raises(ValueError, match="unknown path"):
+        quant.set_path("avx9000")
+
+
+def test_path_from_the_environment(monkeypatch):
+    N, K = shape(T.Q5_1)
+    w = torch.from_numpy(make_weights(T.Q5_1, N, K))
+    x = torch.randn(4, K)
+    monkeypatch.setenv("NANOINFER_QUANT_PATH", "portable")
+    quant.set_path(None)
+    try:
+        assert quant._path == 1
+        y = quant.linear(x, w, T.Q5_1)
+        quant.set_path("portable")
+        assert torch.equal(bits(y), bits(quant.linear(x, w, T.Q5_1)))
+        monkeypatch.setenv("NANOINFER_QUANT_PATH", "bogus")
+        with pytest.raises(ValueError, match="NANOINFER_QUANT_PATH"):
+            quant.set_path(None)
+    finally:
+        monkeypatch.delenv("NANOINFER_QUANT_PATH")
+        quant.set_path(None)
+    assert quant._path == 0
+
+
+def test_parameters_and_default_dtype():
+    """An nn.Parameter weight is a tensor like any other; the output is fp32 whatever torch's default dtype."""
+    N, K = shape(T.Q8_0)
+    w = torch.from_numpy(make_weights(T.Q8_0, N, K))
+    x = torch.randn(2, K)
+    want = quant.linear(x, w, T.Q8_0)
+    assert torch.equal(quant.linear(x, torch.nn.Parameter(w, requires_grad=False), T.Q8_0), want)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        y = quant.linear(x, w, T.Q8_0)
+    finally:
+        torch.set_default_dtype(old)
+    assert y.dtype == torch.float32 and torch.equal(y, want)
