@@ -136,7 +136,25 @@ class _Cursor:
         # A string takes at least its 8-byte length, an array its 12-byte header.
         if count * (8 if vtype == _STRING else 12) > len(self.buf) - self.pos:
             raise _Corrupt(f"array of {count} items cannot fit in the file")
+        if vtype == _STRING:
+            return self.strings(count)
         return [self.value(vtype, depth) for _ in range(count)]
+
+    def strings(self, count: int) -> list[str]:
+        """`count` strings in one tight loop (a vocabulary is ~10^5 of them: the header's bulk)."""
+        buf, pos, end, length = self.buf, self.pos, len(self.buf), _STRUCTS[10].unpack_from
+        out = []
+        for _ in range(count):
+            if pos + 8 > end:
+                raise _Corrupt(f"a header item at byte {pos} runs past the end of the file")
+            n = length(buf, pos)[0]
+            pos += 8
+            if n > end - pos:
+                raise _Corrupt(f"a header item at byte {pos} runs past the end of the file")
+            out.append(buf[pos:pos + n].decode("utf-8", errors="replace"))
+            pos += n
+        self.pos = pos
+        return out
 
 
 def _open(path: str | os.PathLike[str], with_tensors: bool) -> _GGUFFile:
