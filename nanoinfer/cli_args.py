@@ -49,7 +49,7 @@ def add_model_arg(p: argparse.ArgumentParser) -> None:
                         "(default: SmolLM2-135M-Instruct GGUF)")
 
 
-def add_model_args(p: argparse.ArgumentParser, *, dtype: str | None = "float32", dtype_rule: str = "",
+def add_model_args(p: argparse.ArgumentParser, *, dtype: str | None = "auto", dtype_rule: str = "",
                    max_model_len: bool = True) -> None:
     """--model, --dtype and (unless max_model_len=False) --max-model-len. dtype=None: the
     command picks one later, as `dtype_rule` tells the help."""

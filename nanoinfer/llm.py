@@ -23,7 +23,7 @@ Prompt = str | list[int] | dict
 
 
 class LLM:
-    def __init__(self, model: str | Path | None = None, *, dtype: str = "float32", device: str = "cpu",
+    def __init__(self, model: str | Path | None = None, *, dtype: str = "auto", device: str = "cpu",
                  model_overrides: dict | None = None, **engine_args):
         """engine_args: the fields of EngineConfig (max_model_len, kv_cache_memory, block_size,
         max_num_seqs, max_num_batched_tokens, enable_prefix_caching, enable_tools).

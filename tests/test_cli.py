@@ -209,7 +209,7 @@ def test_shared_flags_parse_the_same_everywhere():
     # each command keeps its own defaults
     gen, chat, serve = parse(["generate", "x"]), parse(["chat"]), parse(["serve"])
     lat, thr = parse(["bench", "latency"]), parse(["bench", "throughput"])
-    assert (gen.dtype, serve.dtype, lat.dtype, thr.dtype) == ("float32", "float32", None, None)
+    assert (gen.dtype, serve.dtype, lat.dtype, thr.dtype) == ("auto", "auto", None, None)
     assert (gen.max_tokens, chat.max_tokens, gen.temperature, gen.seed, lat.seed) == (256, 512, 0.8, None, 0)
     # kv_cache_memory None: the pool follows the model and the machine
     assert (serve.max_num_seqs, serve.max_num_batched_tokens, serve.kv_cache_memory) == (64, 512, None)

@@ -27,7 +27,7 @@ def hf(default_gguf):
 
 @pytest.fixture(scope="module")
 def llm(default_gguf):
-    return LLM(default_gguf)
+    return LLM(default_gguf, dtype="float32")  # transformers runs the dequantised weights in fp32
 
 
 def hf_chat_ids(tok, messages) -> list[int]:
