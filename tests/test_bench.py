@@ -274,3 +274,140 @@ def test_add_bench_parser_hooks_into_a_cli():
     for cmd in ("latency", "throughput", "loop"):
         args = p.parse_args(["bench", cmd, "--model", "x.gguf"])
         assert callable(args.func) and args.model == "x.gguf"
+
+
+# --- bench latency --compare llama.cpp, against a stand-in llama_cpp module ----------------
+# A real subprocess of this interpreter runs the bench's llama.cpp script; PYTHONPATH puts a
+# stub `llama_cpp` first, which sleeps a little per token and logs what it was asked.
+STUB_LLAMA_CPP = '''
+import json, os, time
+__version__ = "0.0-stub"
+
+
+def _log(entry):
+    with open(os.environ["STUB_LLAMA_LOG"], "a") as f:
+        f.write(json.dumps(entry) + "\\n")
+
+
+class Llama:
+    def __init__(self, model_path, n_ctx, n_threads, n_threads_batch, n_batch, verbose):
+        assert os.path.isfile(model_path) and not verbose
+        self.n_ctx, self.n_tokens = n_ctx, 0
+        _log({"engine": "llama.cpp", "threads": [n_threads, n_threads_batch], "n_batch": n_batch})
+
+    def reset(self):
+        self.n_tokens = 0
+
+    def eval(self, ids):
+        self.n_tokens += len(ids)
+        assert self.n_tokens <= self.n_ctx
+        if len(ids) > 1:
+            _log({"eval": list(ids)})
+        time.sleep(0.0005 * len(ids))
+
+    def sample(self, top_k, temp):
+        assert top_k == 1 and temp == 0.0  # greedy
+        return 7
+'''
+
+
+@pytest.fixture
+def stub_llama_cpp(tmp_path, monkeypatch):
+    stub = tmp_path / "stub"
+    stub.mkdir()
+    (stub / "llama_cpp.py").write_text(STUB_LLAMA_CPP)
+    log = tmp_path / "llama.log"
+    log.touch()
+    monkeypatch.setenv("PYTHONPATH", str(stub))
+    monkeypatch.setenv("STUB_LLAMA_LOG", str(log))
+    monkeypatch.delenv("NANOINFER_LLAMA_CPP_PYTHON", raising=False)
+    return log
+
+
+@pytest.fixture
+def tiny_gguf(make_hf_model, tiny_tokenizer_dir, tmp_path):
+    from gguf_export import write_gguf_from_hf
+    model, _ = make_hf_model("llama")
+    return write_gguf_from_hf(model, tiny_tokenizer_dir, tmp_path / "tiny.gguf"), model.config.vocab_size
+
+
+def test_bench_latency_compare_llama_cpp(stub_llama_cpp, tiny_gguf, capsys, monkeypatch):
+    import random
+    import statistics
+    import sys
+
+    from nanoinfer.bench import latency
+    from nanoinfer.bench.common import random_prompt
+
+    path, vocab = tiny_gguf
+    real_run_batch = latency.run_batch
+
+    def logged_run_batch(*a, **kw):
+        with open(stub_llama_cpp, "a") as f:
+            f.write(json.dumps({"engine": "nanoinfer"}) + "\n")
+        return real_run_batch(*a, **kw)
+
+    monkeypatch.setattr(latency, "run_batch", logged_run_batch)
+    monkeypatch.setenv("NANOINFER_LLAMA_CPP_PYTHON", sys.executable)  # the interpreter from the environment
+    doc, out = run_bench(capsys, ["latency", "--model", str(path), "--prompt-len", "8", "--decode-len", "5",
+                                  "--compare", "llama.cpp", "--runs", "3", "--threads", "1", *PEAKS])
+    assert_meta(doc, "latency")
+    assert [r["batch_size"] for r in doc["results"]] == [1]  # --compare: batch 1 by default
+
+    log = [json.loads(x) for x in stub_llama_cpp.read_text().splitlines()]
+    engines = [e["engine"] for e in log if "engine" in e]
+    # the table's batch 1, then three rounds, the first engine alternating
+    assert engines == ["nanoinfer", "nanoinfer", "llama.cpp", "llama.cpp", "nanoinfer", "nanoinfer", "llama.cpp"]
+    assert all(e["threads"] == [1, 1] and e["n_batch"] == 512 for e in log if e.get("engine") == "llama.cpp")
+    # llama.cpp gets our prompt ids: a warm-up on the first 8 at most, then the timed prefill
+    ours = random_prompt(random.Random(0 + 1), 8, vocab)
+    assert [e["eval"] for e in log if "eval" in e] == [ours, ours] * 3
+
+    c = doc["compare"]
+    assert (c["engine"], c["version"], c["python"]) == ("llama.cpp", "0.0-stub", sys.executable)
+    assert (c["batch_size"], c["prompt_len"], c["decode_len"], c["threads"]) == (1, 8, 5, 1)
+    assert c["model"] == str(path) and c["cpu"] == doc["machine"]["cpu"]
+    assert [r["run"] for r in c["runs"]] == [1, 2, 3]
+    assert [r["order"][0] for r in c["runs"]] == ["nanoinfer", "llama_cpp", "nanoinfer"]
+    keys = {"prefill_tok_s", "decode_tok_s", "decode_tok_s_mean", "ttft_s", "tpot_s"}
+    for r in c["runs"]:
+        assert r["llama_cpp"]["decode_steps"] == 4 and r["llama_cpp"]["load_s"] >= 0
+        for who in ("nanoinfer", "llama_cpp"):
+            assert keys <= set(r[who]) and all(r[who][k] > 0 for k in keys)
+        assert r["ratio"]["decode"] == pytest.approx(r["nanoinfer"]["decode_tok_s"] / r["llama_cpp"]["decode_tok_s"])
+        assert r["ratio"]["prefill"] == pytest.approx(r["nanoinfer"]["prefill_tok_s"]
+                                                      / r["llama_cpp"]["prefill_tok_s"])
+    for who in ("nanoinfer", "llama_cpp"):
+        for k in keys:
+            assert c["median"][who][k] == pytest.approx(statistics.median(r[who][k] for r in c["runs"]))
+    m = c["median"]
+    assert c["ratio"]["decode"] == pytest.approx(m["nanoinfer"]["decode_tok_s"] / m["llama_cpp"]["decode_tok_s"])
+    assert c["ratio"]["prefill"] == pytest.approx(m["nanoinfer"]["prefill_tok_s"] / m["llama_cpp"]["prefill_tok_s"])
+    assert "against llama.cpp 0.0-stub" in out and "median" in out
+
+
+def test_compare_llama_cpp_errors(stub_llama_cpp, tiny_gguf, make_hf_model, tmp_path, capsys, monkeypatch):
+    import sys
+
+    def error(argv: list[str]) -> str:
+        assert main(["latency", "--prompt-len", "4", "--decode-len", "2", "--compare", "llama.cpp", *argv,
+                     *PEAKS]) == 1
+        return capsys.readouterr().err.strip().splitlines()[-1]
+
+    gguf, _ = tiny_gguf
+    # neither the flag nor the variable: checked before any model loads
+    assert "--llama-cpp-python PYTHON or set NANOINFER_LLAMA_CPP_PYTHON" in error([])
+    assert "cannot run it" in error(["--llama-cpp-python", str(tmp_path / "no-such-python")])
+    assert "--runs must be >= 1" in error(["--runs", "0", "--llama-cpp-python", sys.executable])
+    # an HF folder: llama.cpp cannot run the same file
+    _, hf = make_hf_model("llama")
+    assert "needs a GGUF model" in error(["--model", str(hf), "--llama-cpp-python", sys.executable])
+    # llama.cpp's own failure comes back as one line
+    monkeypatch.setenv("STUB_LLAMA_LOG", str(tmp_path / "no-such-dir" / "log"))
+    msg = error(["--model", str(gguf), "--llama-cpp-python", sys.executable])
+    assert msg.startswith("error: llama.cpp failed") and "No such file" in msg
+    # llama_cpp missing from that interpreter
+    monkeypatch.delenv("PYTHONPATH")
+    monkeypatch.setenv("NANOINFER_LLAMA_CPP_PYTHON", sys.executable)
+    msg = error(["--model", str(gguf)])
+    assert "llama_cpp is not importable" in msg and "ModuleNotFoundError" in msg

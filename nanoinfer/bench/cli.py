@@ -50,7 +50,15 @@ def _add_commands(sub) -> None:
     lat.add_argument("--prompt-len", type=int, default=None,
                      help="prompt tokens (default 128 on CPU, 2048 on GPU; clamped to context - decode)")
     lat.add_argument("--decode-len", type=int, default=None, help="tokens generated (default 64 on CPU, 256 on GPU)")
-    lat.add_argument("--batch-sizes", default=None, help="comma-separated (default 1,8,32 on CPU, 1,8,32,128 on GPU)")
+    lat.add_argument("--batch-sizes", default=None,
+                     help="comma-separated (default 1,8,32 on CPU, 1,8,32,128 on GPU; 1 with --compare)")
+    lat.add_argument("--compare", default=None, choices=["llama.cpp"],
+                     help="then batch 1 against llama.cpp on the same GGUF file, threads, prompt and lengths, "
+                          "run in a subprocess of --llama-cpp-python")
+    lat.add_argument("--llama-cpp-python", default=None, metavar="PYTHON",
+                     help="a Python with llama-cpp-python installed (default: $NANOINFER_LLAMA_CPP_PYTHON)")
+    lat.add_argument("--runs", type=int, default=3,
+                     help="rounds of --compare, alternating which engine goes first; medians reported (default 3)")
     lat.set_defaults(func=_latency)
 
     thr = sub.add_parser("throughput", help="N random requests at once, to completion (nano-vllm's protocol)",

@@ -5,6 +5,10 @@ budget that prefills them all in one step; that step is the TTFT. Then every dec
 step is timed: TPOT is the median step (robust to a stray slow step on a shared
 machine), decode tok/s is B / TPOT. MBU and MFU compare the step with what the
 hardware could do at the middle of the decode (context P + D/2).
+
+`--compare llama.cpp` then measures batch 1 against llama.cpp on the same GGUF file, same
+prompt ids, decode length and threads, for `--runs` rounds that alternate which engine goes
+first; llama.cpp runs in a subprocess of its own interpreter (see llama_cpp.py).
 """
 from __future__ import annotations
 
@@ -38,6 +42,8 @@ from .common import (
     setup,
     sync,
 )
+from .llama_cpp import ENGINE, check_python, resolve_python, run_llama_cpp
+from .peaks import cpu_model
 
 BLOCK_SIZE = 16
 
@@ -73,19 +79,24 @@ def print_card(env: BenchEnv, card: dict) -> None:
     print()
 
 
+def batch_prompts(env: BenchEnv, batch: int, prompt_len: int, seed: int) -> list[list[int]]:
+    """The random prompts of a batch size: the same ids for every run with the same seed."""
+    rng = random.Random(seed + batch)
+    return [random_prompt(rng, prompt_len, env.loaded.config.vocab_size) for _ in range(batch)]
+
+
 def run_batch(env: BenchEnv, batch: int, prompt_len: int, decode_len: int, seed: int) -> dict:
     """Prefill `batch` prompts in one step, then decode to the end; times in seconds."""
 
-    rl, mc = env.roofline, env.loaded.config
+    rl = env.roofline
     total = prompt_len + decode_len
     engine = LLMEngine(env.loaded, EngineConfig(
         max_model_len=total, kv_cache_memory=kv_pool_bytes(rl, [total] * batch, BLOCK_SIZE),
         block_size=BLOCK_SIZE, max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len))
-    rng = random.Random(seed + batch)
     params = SamplingParams(temperature=0.0, max_tokens=decode_len, ignore_eos=True)
     reset_peak_memory(env.device)
-    for i in range(batch):
-        engine.add_request(str(i), random_prompt(rng, prompt_len, mc.vocab_size), params)
+    for i, prompt in enumerate(batch_prompts(env, batch, prompt_len, seed)):
+        engine.add_request(str(i), prompt, params)
     progress(f"batch {batch}: prefill {batch} x {prompt_len} tokens ...")
     sync(env.device)
     t0 = time.perf_counter()
@@ -152,16 +163,83 @@ def warm_up(env: BenchEnv) -> None:
     sync(env.device)
 
 
+COMPARED = ("prefill_tok_s", "decode_tok_s", "decode_tok_s_mean", "ttft_s", "tpot_s")
+
+
+def _ratios(ours: dict, theirs: dict) -> dict:
+    return {"prefill": ours["prefill_tok_s"] / theirs["prefill_tok_s"],
+            "decode": ours["decode_tok_s"] / theirs["decode_tok_s"]}
+
+
+def compare_llama_cpp(env: BenchEnv, python: str, version: str, prompt_len: int, decode_len: int, runs: int,
+                      seed: int) -> dict:
+    """Batch 1, ours and llama.cpp in turn for `runs` rounds (the first engine alternates),
+    on the same prompt ids; per-run figures, their medians and the ratios ours / llama.cpp."""
+    prompt = batch_prompts(env, 1, prompt_len, seed)[0]
+    threads = torch.get_num_threads()
+    rows = []
+    for i in range(runs):
+        order = ["nanoinfer", "llama_cpp"] if i % 2 == 0 else ["llama_cpp", "nanoinfer"]
+        row: dict = {"run": i + 1, "order": order}
+        for who in order:
+            progress(f"compare run {i + 1}/{runs}: {'nanoinfer' if who == 'nanoinfer' else ENGINE} ...")
+            if who == "nanoinfer":
+                r = run_batch(env, 1, prompt_len, decode_len, seed)
+                row[who] = {k: r[k] for k in COMPARED}
+            else:
+                row[who] = run_llama_cpp(python, str(env.loaded.path), prompt, decode_len, threads)
+        row["ratio"] = _ratios(row["nanoinfer"], row["llama_cpp"])
+        rows.append(row)
+    progress_done()
+    med = {who: {k: median([r[who][k] for r in rows]) for k in COMPARED} for who in ("nanoinfer", "llama_cpp")}
+    return {"engine": ENGINE, "version": version, "python": python, "model": str(env.loaded.path),
+            "cpu": cpu_model(), "threads": threads, "batch_size": 1, "prompt_len": prompt_len,
+            "decode_len": decode_len, "nanoinfer_dtype": env.dtype, "runs": rows, "median": med,
+            "ratio": _ratios(med["nanoinfer"], med["llama_cpp"])}
+
+
+def print_compare(c: dict) -> None:
+    print()
+    print(f"batch 1 against {c['engine']} {c['version']} on {c['cpu']}, {c['threads']} threads: same GGUF file, "
+          f"same prompt ids ({c['prompt_len']} tokens), {c['decode_len']} greedy tokens")
+    print(f"(nanoinfer in {c['nanoinfer_dtype']}, {c['engine']} runs the file as stored; decode tok/s = 1 / median "
+          f"step; ratio = nanoinfer / {c['engine']})")
+
+    def cells(label: str, first: str, ours: dict, theirs: dict, ratio: dict) -> list[str]:
+        return [label, first, f"{ours['prefill_tok_s']:.1f}", f"{theirs['prefill_tok_s']:.1f}",
+                f"{ratio['prefill']:.2f}x", f"{ours['decode_tok_s']:.1f}", f"{theirs['decode_tok_s']:.1f}",
+                f"{ratio['decode']:.2f}x"]
+
+    rows = [cells(str(r["run"]), "nanoinfer" if r["order"][0] == "nanoinfer" else c["engine"], r["nanoinfer"],
+                  r["llama_cpp"], r["ratio"]) for r in c["runs"]]
+    rows.append(cells("median", "", c["median"]["nanoinfer"], c["median"]["llama_cpp"], c["ratio"]))
+    print_table(["run", "first", "prefill nanoinfer", f"prefill {c['engine']}", "ratio", "decode nanoinfer",
+                 f"decode {c['engine']}", "ratio"], rows)
+
+
 def run(args: argparse.Namespace) -> int:
     gpu = on_gpu(args)
-    batch_sizes = parse_batch_sizes(args.batch_sizes or ("1,8,32,128" if gpu else "1,8,32"))
+    compare = getattr(args, "compare", None)
+    default_sizes = "1" if compare else "1,8,32,128" if gpu else "1,8,32"
+    batch_sizes = parse_batch_sizes(args.batch_sizes or default_sizes)
     decode_len = args.decode_len or (256 if gpu else 64)
     if args.prompt_len is not None and args.prompt_len < 1:
         raise NanoinferError("--prompt-len must be >= 1")
     if decode_len < 2:
         raise NanoinferError("--decode-len must be >= 2 (the first token comes from the prefill)")
     plot = plot_path(args)
+    runs = getattr(args, "runs", 3)
+    if compare:
+        if gpu:
+            raise NanoinferError("--compare llama.cpp measures the CPU: add --device cpu")
+        if runs < 1:
+            raise NanoinferError("--runs must be >= 1")
+        python = resolve_python(args.llama_cpp_python)
+        version = check_python(python)
     env = setup(args)
+    if compare and env.loaded.format != "gguf":
+        raise NanoinferError(f"--compare llama.cpp needs a GGUF model (llama.cpp runs the same file): "
+                             f"{env.loaded.path} is {env.loaded.format}")
     max_len = env.loaded.config.max_position_embeddings
     if decode_len >= max_len:
         raise NanoinferError(f"--decode-len {decode_len} leaves no room for a prompt in the context of {max_len}")
@@ -184,10 +262,17 @@ def run(args: argparse.Namespace) -> int:
                  "peak mem"], rows)
     if env.device.type == "cpu":
         print("(peak mem: the process's RSS high-water mark so far, model included)")
+    comparison = None
+    if compare:
+        comparison = compare_llama_cpp(env, python, version, prompt_len, decode_len, runs, args.seed)
+        print_compare(comparison)
     if plot:
         from .plots import plot_roofline
         plot_roofline(plot, env.peaks.flops, env.peaks.bandwidth, results,
                       title=f"{env.loaded.path.name}, {env.dtype}, {env.peaks.device_name}")
         print(f"roofline plot: {plot}")
-    emit_json({**run_meta(env, "latency"), "card": card, "results": results, "plot": plot})
+    doc = {**run_meta(env, "latency"), "card": card, "results": results, "plot": plot}
+    if comparison:
+        doc["compare"] = comparison
+    emit_json(doc)
     return 0
