@@ -12,6 +12,7 @@ from .bench.cli import add_bench_parser
 from .bench.perplexity import add_perplexity_parser
 from .cli_args import add_model_arg, add_model_args, add_sampling_args, run_command, sampling_params
 from .errors import NanoinferError
+from .kernels.quant_linear import parameter_count
 from .server.cli import add_serve_parser
 
 
@@ -72,9 +73,10 @@ def load_llm(a: argparse.Namespace):
         overrides = {"max_position_embeddings": a.max_model_len}
     llm = LLM(a.model, dtype=a.dtype, max_model_len=a.max_model_len, model_overrides=overrides)
     lm = llm.loaded
-    params = sum(p.numel() for p in lm.model.parameters())
-    print(f"[{lm.path.name}: {lm.format}, {lm.config.architecture}, {params / 1e6:.0f}M params, "
-          f"context {llm.max_model_len}, loaded in {lm.load_seconds:.1f}s]", file=sys.stderr)
+    formats = ", ".join(f"{n} {f}" for f, n in sorted(lm.info.get("tensor_formats", {}).items(), key=lambda x: -x[1]))
+    print(f"[{lm.path.name}: {lm.format}, {lm.config.architecture}, {parameter_count(lm.model) / 1e6:.0f}M params"
+          f"{f' (tensors: {formats})' if formats else ''}, context {llm.max_model_len}, "
+          f"loaded in {lm.load_seconds:.1f}s]", file=sys.stderr)
     return llm
 
 

@@ -113,3 +113,18 @@ def test_a_type_without_a_kernel_is_dequantised_with_a_line(ggufs, monkeypatch, 
     assert "no kernel for Q4_0" in err and "dequantised to float32" in err
     assert llm.loaded.info["tensor_formats"].get("Q4_0") is None
     assert len(llm.generate(prompt(5, 3), SamplingParams(max_tokens=4, ignore_eos=True))[0].outputs[0].token_ids) == 4
+
+
+def test_weights_are_counted_in_their_format(ggufs):
+    """Parameters by logical size, bytes as stored: the roofline reads what decode reads."""
+    from nanoinfer.bench.roofline import Roofline
+    from nanoinfer.kernels.quant_linear import parameter_count
+
+    kernels_or_skip("Q8_0")
+    quantised = LLM(ggufs["Q8_0"], dtype="auto").loaded
+    dense = LLM(ggufs["Q8_0"], dtype="float32").loaded
+    assert parameter_count(quantised.model) == parameter_count(dense.model)
+    q = Roofline.for_model(quantised.model, quantised.config).weights
+    d = Roofline.for_model(dense.model, dense.config).weights
+    # Q8_0: 34 bytes per 32 weights against 4 bytes each; vectors (norms, biases) stay fp32
+    assert q.lm_head == d.lm_head * 34 // 128 and 0.2 < q.body / d.body < 0.35

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import NanoinferError
+from ..kernels.quant_linear import parameter_count
 from ..models.builder import LoadedModel
 from .peaks import Peaks, cpu_model, device_name, peaks_dict, resolve_peaks
 from .roofline import Roofline
@@ -201,7 +202,8 @@ def run_meta(env: BenchEnv, bench: str, with_transformers: bool = False) -> dict
         "model": str(lm.path),
         "model_format": lm.format,
         "architecture": lm.config.architecture,
-        "params": sum(p.numel() for p in lm.model.parameters()),
+        "params": parameter_count(lm.model),
+        "tensor_formats": lm.info.get("tensor_formats"),
         "device": str(env.device),
         "dtype": env.dtype,
         "threads": torch.get_num_threads(),

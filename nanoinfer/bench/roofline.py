@@ -46,6 +46,15 @@ def served_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     persistent = set(model.state_dict(keep_vars=True))
     out = list(model.named_parameters())  # named_parameters() drops the tied duplicate
     out += [(n, b) for n, b in model.named_buffers() if n in persistent]
+    # Weights kept in a file's block format live in buffers of modules that say so; a tied
+    # head's blocks are the token table's, counted once.
+    seen = {t.data_ptr() for _, t in out}
+    for prefix, m in model.named_modules():
+        if getattr(m, "holds_weights", False):
+            for name, b in m.named_buffers(recurse=False):
+                if b is not None and b.data_ptr() not in seen:
+                    seen.add(b.data_ptr())
+                    out.append((f"{prefix}.{name}", b))
     return out
 
 

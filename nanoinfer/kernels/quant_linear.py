@@ -14,6 +14,8 @@ from . import quant
 
 
 class QuantLinear(nn.Module):
+    holds_weights = True  # its buffers are weights (they stay out of state_dict: not torch's format)
+
     def __init__(self, parts: list[QuantizedTensor], bias: torch.Tensor | None = None):
         super().__init__()
         self.parts = list(parts)
@@ -40,6 +42,8 @@ class QuantLinear(nn.Module):
 class QuantEmbedding(nn.Module):
     """Rows gathered from the quantised table and dequantised: a lookup reads only its rows."""
 
+    holds_weights = True
+
     def __init__(self, table: QuantizedTensor):
         super().__init__()
         self.table = table
@@ -56,3 +60,19 @@ class QuantEmbedding(nn.Module):
 
 def kernel_for(t: QuantizedTensor) -> bool:
     return quant.supported(t.qtype) and t.shape[1] % quant.block_size(t.qtype) == 0
+
+
+def parameter_count(model: nn.Module) -> int:
+    """Parameters, counting a block-format weight by its logical size (rows x columns) and a
+    table shared by a tied head once."""
+    seen: set[int] = set()
+    count = sum(p.numel() for p in model.parameters())
+    for m in model.modules():
+        tensors = m.parts if isinstance(m, QuantLinear) else [m.table] if isinstance(m, QuantEmbedding) else []
+        for t in tensors:
+            if t.data.data_ptr() not in seen:
+                seen.add(t.data.data_ptr())
+                count += t.shape[0] * t.shape[1]
+        if isinstance(m, QuantLinear) and m.bias is not None:
+            count += m.bias.numel()
+    return count
