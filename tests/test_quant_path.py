@@ -87,8 +87,18 @@ def test_close_to_the_dequantised_model(ggufs, qtype):
     assert (ours.argmax(-1) == dense.argmax(-1)).float().mean() >= 0.9
 
 
-def test_rows_are_bit_identical_whatever_runs_beside_them(ggufs):
-    """A request's logprobs alone, and beside 40 others with chunked prefill: the same bits."""
+@pytest.fixture(params=["portable", "avx2"])
+def path(request):
+    if request.param not in quant.paths():
+        pytest.skip(f"no {request.param} path on this CPU")
+    quant.set_path(request.param)
+    yield request.param
+    quant.set_path(None)
+
+
+def test_rows_are_bit_identical_whatever_runs_beside_them(ggufs, path):
+    """A request's logprobs alone, and beside 40 others with chunked prefill: the same bits,
+    on each dispatch path this CPU has (forced one by one)."""
     kernels_or_skip("Q4_1")
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     target = {"prompt_token_ids": prompt(37, 7)}
