@@ -137,3 +137,15 @@ def long_reply_model(make_hf_model, tmp_path_factory) -> Path:
 def default_gguf() -> Path:
     from nanoinfer.loaders import default_model_path
     return default_model_path()
+
+
+@pytest.fixture(params=["portable", "avx2"])
+def quant_path(request):
+    """The block-format kernels forced onto one dispatch path (skipped where the CPU lacks it)."""
+    from nanoinfer.kernels import quant
+
+    if request.param not in quant.paths():
+        pytest.skip(f"no {request.param} path on this CPU")
+    quant.set_path(request.param)
+    yield request.param
+    quant.set_path(None)

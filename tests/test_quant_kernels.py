@@ -44,15 +44,6 @@ def test_kernel_builds():
         assert "avx2" in quant.paths()
 
 
-@pytest.fixture(params=["portable", "avx2"])
-def path(request):
-    if request.param not in quant.paths():
-        pytest.skip(f"path {request.param} not available on this CPU")
-    quant.set_path(request.param)
-    yield request.param
-    quant.set_path(None)
-
-
 def shape(qtype: int, N: int = 37) -> tuple[int, int]:
     """[N, K]: K a multiple of the block but not of 256 (not of 16 for F16/BF16), N odd."""
     if qtype in K_QUANTS:
@@ -124,7 +115,7 @@ def chain(qtype: int, K: int) -> int:
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: T(t).name)
-def test_matches_dequantised(qtype, path):
+def test_matches_dequantised(qtype, quant_path):
     N, K = shape(qtype)
     w_np = make_weights(qtype, N, K)
     w = torch.from_numpy(w_np)
@@ -159,7 +150,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: T(t).name)
 @pytest.mark.parametrize("N", [37, 301])  # 301: enough work that the threads split N
-def test_rows_do_not_depend_on_the_batch(qtype, path, N):
+def test_rows_do_not_depend_on_the_batch(qtype, quant_path, N):
     """Row r's output bits are the same alone, in any prefix of the batch, in any order and
     tile position (tiles of 4 rows, pairs of weight rows, threads splitting N)."""
     _, K = shape(qtype)

@@ -87,16 +87,7 @@ def test_close_to_the_dequantised_model(ggufs, qtype):
     assert (ours.argmax(-1) == dense.argmax(-1)).float().mean() >= 0.9
 
 
-@pytest.fixture(params=["portable", "avx2"])
-def path(request):
-    if request.param not in quant.paths():
-        pytest.skip(f"no {request.param} path on this CPU")
-    quant.set_path(request.param)
-    yield request.param
-    quant.set_path(None)
-
-
-def test_rows_are_bit_identical_whatever_runs_beside_them(ggufs, path):
+def test_rows_are_bit_identical_whatever_runs_beside_them(ggufs, quant_path):
     """A request's logprobs alone, and beside 40 others with chunked prefill: the same bits,
     on each dispatch path this CPU has (forced one by one)."""
     kernels_or_skip("Q4_1")

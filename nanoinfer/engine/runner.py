@@ -24,12 +24,13 @@ class ModelRunner:
         """Flatten the batch into one forward, and say which sequences (indices into
         batch.seqs) the logits rows belong to."""
         bs = self.cache.block_size
+        per_row = self.attention.every_row_reads_the_cache  # every row a one-row query up to its position
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         prefills: list[PrefillSlice] = []
-        decode_rows: list[int] = []
-        decode_seqs: list[int] = []
+        row_seqs: list[int] = []  # sequences whose rows are one-row queries
+        row_starts: list[int] = []
         logits_rows: list[int] = []
         samplers: list[int] = []
         prev: list[int] = []
@@ -42,9 +43,9 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            if n == 1:
-                decode_rows.append(q_start)
-                decode_seqs.append(i)
+            if per_row or n == 1:
+                row_seqs.append(i)
+                row_starts.append(q_start)
             else:
                 prefills.append(PrefillSlice(q_start, n, start + n,
                                              torch.tensor(table[:-(-(start + n) // bs)], device=self.device)))
@@ -52,13 +53,10 @@ class ModelRunner:
                 logits_rows.append(len(ids) - 1)
                 samplers.append(i)
         meta = PagedMetadata(torch.tensor(slots, device=self.device), prefills, None, None, None)
-        if self.attention.every_row_reads_the_cache:  # every row a one-row query up to its own position
-            meta.prefills = []
-            meta.decode_rows = torch.arange(len(ids), device=self.device)
-            meta.decode_tables, meta.decode_ctx, meta.decode_max_ctx = self._row_metadata(batch)
-        elif decode_rows:
-            meta.decode_rows = torch.tensor(decode_rows, device=self.device)
-            meta.decode_tables, meta.decode_ctx, meta.decode_max_ctx = self._decode_metadata(batch, decode_seqs)
+        if row_seqs:
+            meta.decode_rows = (torch.arange(len(ids), device=self.device) if per_row
+                                else torch.tensor(row_starts, device=self.device))
+            meta.decode_tables, meta.decode_ctx, meta.decode_max_ctx = self._row_metadata(batch, row_seqs)
         forward = ForwardBatch(
             torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), self.attention, meta,
             torch.tensor(logits_rows, dtype=torch.long, device=self.device),
@@ -66,24 +64,15 @@ class ModelRunner:
         )
         return forward, samplers
 
-    def _decode_metadata(self, batch: ScheduledBatch, which: list[int]):
-        """Block tables padded to one width, each row's context length, and the longest."""
+    def _row_metadata(self, batch: ScheduledBatch, which: list[int]):
+        """For every row of the sequences `which` (in order): its sequence's block table
+        (padded to one width), the keys it sees (its position + 1), and the largest of those."""
         bs = self.cache.block_size
-        ctx = [batch.seqs[i].num_computed + 1 for i in which]
-        width = max(-(-c // bs) for c in ctx)
-        tables = [(batch.seqs[i].block_table + [0] * width)[:width] for i in which]
-        return (torch.tensor(tables, device=self.device),
-                torch.tensor(ctx, device=self.device).unsqueeze(1), max(ctx))
-
-    def _row_metadata(self, batch: ScheduledBatch):
-        """For every row of the flat batch: its sequence's block table (padded to one width),
-        the keys it sees (its position + 1), and the largest of those."""
-        bs = self.cache.block_size
-        width = max(-(-(seq.num_computed + n) // bs) for seq, n in zip(batch.seqs, batch.num_tokens))
+        seqs = [(batch.seqs[i], batch.num_tokens[i]) for i in which]
+        width = max(-(-(seq.num_computed + n) // bs) for seq, n in seqs)
         tables, ctx = [], []
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            table = (seq.block_table + [0] * width)[:width]
-            tables.extend([table] * n)
+        for seq, n in seqs:
+            tables.extend([(seq.block_table + [0] * width)[:width]] * n)
             ctx.extend(range(seq.num_computed + 1, seq.num_computed + n + 1))
         return (torch.tensor(tables, device=self.device),
                 torch.tensor(ctx, device=self.device).unsqueeze(1), max(ctx))
