@@ -142,8 +142,10 @@ class Sequence:
     num_preemptions: int = 0
     forks: list[Sequence] = field(default_factory=list)  # samples 1..n-1, forked after this one's prefill
     stats: RequestStats = field(init=False)
+    stop_ids: frozenset[int] = field(init=False)  # params.stop_token_ids, looked up every token
 
     def __post_init__(self) -> None:
+        self.stop_ids = frozenset(self.params.stop_token_ids)
         self.stats = RequestStats(len(self.prompt_ids))
         if self.params.logprobs is not None:
             self.logprobs = []
@@ -195,7 +197,7 @@ class Sequence:
         text = ""
         if mask and token in self.eos_ids and not p.ignore_eos:
             self.finish_cause = FinishCause.EOS
-        elif mask and token in p.stop_token_ids:
+        elif mask and token in self.stop_ids:
             self.finish_cause, self.stop_reason = FinishCause.STOP_TOKEN, token
         else:
             text, stopped = self.stop_matcher.feed(self.detok.add(token))
