@@ -77,13 +77,17 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: int | str = 64,
         g.add_argument("--kv-cache-memory", type=byte_size, default=None,
                        help="bytes for the KV cache (default: room for --max-num-seqs full contexts, at most a quarter "
                             "of the available memory)")
+        g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                       help="the KV cache's dtype (default auto: bfloat16 for GGUF weights run in their blocks on the "
+                            "CPU, else the model's dtype)")
         g.add_argument("--no-prefix-caching", action="store_true", help="turn off prefix caching")
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
     """add_engine_args' flags (kv_cache=True) as `LLM(...)`'s engine arguments."""
     return dict(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                kv_cache_memory=a.kv_cache_memory, enable_prefix_caching=not a.no_prefix_caching)
+                kv_cache_memory=a.kv_cache_memory, kv_cache_dtype=a.kv_cache_dtype,
+                enable_prefix_caching=not a.no_prefix_caching)
 
 
 # --- sampling ----------------------------------------------------------------------------

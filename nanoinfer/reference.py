@@ -12,6 +12,7 @@ import time
 import torch
 from torch import nn
 
+from .attention import CausalAttention, layer_params
 from .engine.sequence import ForwardStat
 from .models.batch import ForwardBatch
 
@@ -19,14 +20,17 @@ from .models.batch import ForwardBatch
 @torch.inference_mode()
 def generate_uncached(model: nn.Module, prompt_ids: list[int], max_tokens: int,
                       eos_ids: frozenset[int] | set[int] = frozenset(),
-                      stats: list[ForwardStat] | None = None) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy decoding. Returns the generated ids and the logits each step sampled from."""
+                      stats: list[ForwardStat] | None = None,
+                      kv_dtype: torch.dtype | None = None) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy decoding. Returns the generated ids and the logits each step sampled from.
+    kv_dtype: k and v rounded to it, as an engine's cache of that dtype stores them."""
     ids = list(prompt_ids)
     out, all_logits = [], []
     device = next(model.parameters()).device
+    attention = CausalAttention(layer_params(model.config), kv_dtype) if kv_dtype is not None else None
     for _ in range(max_tokens):
         t0 = time.perf_counter()
-        logits = model(ForwardBatch.whole(torch.tensor(ids, device=device)))[-1].cpu()
+        logits = model(ForwardBatch.whole(torch.tensor(ids, device=device), attention=attention))[-1].cpu()
         if stats is not None:
             stats.append(ForwardStat(len(ids), len(ids), time.perf_counter() - t0))
         token = int(torch.argmax(logits))

@@ -61,6 +61,9 @@ class TorchPagedAttention:
     def forward(self, layer, q, k, v, meta: PagedMetadata):
         kc, vc = self.cache.k[layer], self.cache.v[layer]  # [blocks, block_size, Hkv, D]
         nb, bs, H, D = kc.shape
+        # k and v as stored (a bf16 cache under fp32 activations rounds them), then read back
+        # at the queries' dtype: every query attends over the stored values
+        k, v = k.to(kc.dtype), v.to(vc.dtype)
         kc.view(nb * bs, H, D).index_copy_(0, meta.slot_mapping, k)
         vc.view(nb * bs, H, D).index_copy_(0, meta.slot_mapping, v)
         q = q.contiguous()
@@ -73,6 +76,7 @@ class TorchPagedAttention:
             else:  # index_select copies whole blocks; it is several times faster than fancy indexing
                 keys = kc.index_select(0, s.table).view(-1, H, D)[:s.ctx_len]
                 vals = vc.index_select(0, s.table).view(-1, H, D)[:s.ctx_len]
+            keys, vals = keys.to(q.dtype), vals.to(q.dtype)
             if s.ctx_len == s.q_len and (p.window is None or p.window >= s.q_len):
                 out[rows] = sdpa(q[rows], keys, vals, None, p, causal=True)
             else:
@@ -87,8 +91,8 @@ class TorchPagedAttention:
         B = meta.decode_rows.shape[0]
         _, bs, H, D = kc.shape
         flat = meta.decode_tables.view(-1)
-        keys = kc.index_select(0, flat).view(B, -1, H, D).transpose(1, 2)  # [B, Hkv, S, D]
-        vals = vc.index_select(0, flat).view(B, -1, H, D).transpose(1, 2)
+        keys = kc.index_select(0, flat).view(B, -1, H, D).transpose(1, 2).to(q.dtype)  # [B, Hkv, S, D]
+        vals = vc.index_select(0, flat).view(B, -1, H, D).transpose(1, 2).to(q.dtype)
         qd = q[meta.decode_rows].unsqueeze(2)  # [B, H, 1, D]
         p = self.params[layer]
         out[meta.decode_rows] = attend(qd, keys, vals, meta.decode_mask(p.window, bs), p).squeeze(2)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..engine.core import kv_cache_dtype
 
 
 # --- weights -------------------------------------------------------------------------
@@ -152,12 +153,11 @@ def prefill_flops(config: ModelConfig, num_tokens: int, past: int = 0, logits_ro
 class Roofline:
     config: ModelConfig
     weights: WeightBytes
-    kv_dtype_bytes: int  # the KV cache is kept in the model's dtype
+    kv_dtype_bytes: int  # the KV cache's dtype as the engine picks it by default (kv_cache_dtype)
 
     @classmethod
     def for_model(cls, model: nn.Module, config: ModelConfig) -> Roofline:
-        dtype_bytes = next(model.parameters()).element_size()
-        return cls(config, model_weight_bytes(model, config), dtype_bytes)
+        return cls(config, model_weight_bytes(model, config), kv_cache_dtype(model).itemsize)
 
     @property
     def kv_bytes_per_token(self) -> int:

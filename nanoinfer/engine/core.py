@@ -20,6 +20,7 @@ import torch
 
 from ..attention import PagedKVCache
 from ..errors import InvalidRequestError, RequestFailedError
+from ..kernels.quant_linear import has_block_weights
 from ..models.builder import LoadedModel
 from ..sampling import RowSampler, SamplingParams
 from ..tokenizer import IncrementalDetokenizer, StopMatcher
@@ -38,6 +39,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
     enable_tools: bool = True  # run tools (the calculator) when the vocabulary has their marker tokens
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES: "auto" is kv_cache_dtype()'s rule
 
 
 logger = logging.getLogger("nanoinfer.engine")
@@ -53,6 +55,24 @@ def available_memory() -> int:
     except OSError:
         pass
     return 8 << 30
+
+
+KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def kv_cache_dtype(model: torch.nn.Module, requested: str = "auto") -> torch.dtype:
+    """The KV cache's dtype. "auto": bf16 for a model whose weights stay in their GGUF blocks on
+    the CPU (its activations are fp32, but k and v are rounded once, as stored, at half the
+    bytes of fp32; llama.cpp keeps f16), else the model's own dtype."""
+    if requested not in KV_CACHE_DTYPES:
+        raise InvalidRequestError(f"kv_cache_dtype={requested!r} must be one of {', '.join(KV_CACHE_DTYPES)}",
+                                  "kv_cache_dtype")
+    if KV_CACHE_DTYPES[requested] is not None:
+        return KV_CACHE_DTYPES[requested]
+    param = next(model.parameters())
+    if param.device.type == "cpu" and has_block_weights(model):
+        return torch.bfloat16
+    return param.dtype
 
 
 def default_kv_pool_bytes(bytes_per_token: int, context: int, max_num_seqs: int, available: int) -> int:
@@ -71,14 +91,15 @@ class LLMEngine:
         self.model_config = mc = loaded.config
         param = next(self.model.parameters())
         self.dtype, self.device = param.dtype, param.device
-        bytes_per_token = mc.kv_bytes_per_token(param.element_size())
+        self.kv_dtype = kv_cache_dtype(self.model, config.kv_cache_dtype)
+        bytes_per_token = mc.kv_bytes_per_token(self.kv_dtype.itemsize)
         pool = config.kv_cache_memory
         if pool is None:
             context = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
             pool = default_kv_pool_bytes(bytes_per_token, context, config.max_num_seqs, available_memory())
         num_blocks = max(1, pool // (config.block_size * bytes_per_token))
         self.cache = PagedKVCache.allocate(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads,
-                                           mc.head_dim, self.dtype, self.device)
+                                           mc.head_dim, self.kv_dtype, self.device)
         # One sequence must always fit in the pool, or preemption could never make room.
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings,
                                  num_blocks * config.block_size)

@@ -7,6 +7,8 @@ C++ compiler and called through ctypes.
 - `linear_packed_f32` (csrc/packed_gemm.cpp): fp32 y = x w^T from a weight reordered once
   at load (`pack_f32`); at decode batch sizes MKL's sgemm spends more time repacking the
   weight on every call than computing.
+- `decoder_stack` (csrc/decoder_stack.cpp): a Llama-family model's layers in one call, on
+  weights in their GGUF blocks; nanoinfer/kernels/decoder_stack.py calls it.
 - `rms_norm_*`, `rope_*`, `silu_mul_*` (csrc/layer_ops.cpp): a decoder layer's small ops in
   one pass each, fp32 and bf16; nanoinfer/layer_ops.py calls them.
 - `quant_linear`, `quant_dequantize_rows` (csrc/quant_gemm.cpp): y = x W^T with W kept in
@@ -33,11 +35,14 @@ import torch
 from ..user_cache import user_cache_dir
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("paged_attention.cpp", "packed_gemm.cpp", "layer_ops.cpp", "quant_gemm.cpp")]
-HEADERS = [CSRC / "common.h"]
+SOURCES = [CSRC / name for name in ("paged_attention.cpp", "packed_gemm.cpp", "layer_ops.cpp", "quant_gemm.cpp",
+                                    "decoder_stack.cpp")]
+HEADERS = [CSRC / "common.h", CSRC / "team.h"]
 # -ffast-math lets the dot products and sums vectorise; infinities stay (the softmax max starts at -inf).
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++17", "-fPIC"]
-DECODE_ENTRY_POINTS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+# (query dtype, cache dtype) -> entry point; fp32 queries over a bf16 cache: the block-format path
+DECODE_ENTRY_POINTS = {(torch.float32, torch.float32): "paged_decode_f32", (torch.bfloat16, torch.bfloat16): "paged_decode_bf16",
+                       (torch.float32, torch.bfloat16): "paged_decode_f32_bf16kv"}
 LAYER_OP_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # csrc/layer_ops.cpp: rms_norm_f32, ...
 
 
@@ -113,9 +118,11 @@ def library() -> ctypes.CDLL | None:
         print(f"nanoinfer: the CPU kernels are unavailable ({e}); using the PyTorch paths", file=sys.stderr)
         return None
     p, i = ctypes.c_void_p, ctypes.c_int64
-    for name in DECODE_ENTRY_POINTS.values():
+    for name in set(DECODE_ENTRY_POINTS.values()):
         getattr(lib, name).argtypes = [p, p, p, p, p, i, p, p, i, i, i, i, i, i, i, ctypes.c_float, ctypes.c_float]
         getattr(lib, name).restype = ctypes.c_int
+    lib.decoder_stack.argtypes = [p, p]  # structures: kernels/decoder_stack.py
+    lib.decoder_stack.restype = ctypes.c_int
     lib.linear_packed_f32.argtypes = [p, p, p, p, i, i, i]
     lib.linear_packed_f32.restype = None
     lib.quant_paths.argtypes = []
@@ -134,7 +141,7 @@ def library() -> ctypes.CDLL | None:
 
 
 def decode_supported(cache: torch.Tensor) -> bool:
-    return cache.device.type == "cpu" and cache.dtype in DECODE_ENTRY_POINTS and library() is not None
+    return cache.device.type == "cpu" and cache.dtype in (torch.float32, torch.bfloat16) and library() is not None
 
 
 def paged_decode(q: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, k_cache: torch.Tensor,
@@ -148,11 +155,14 @@ def paged_decode(q: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, k_cache
     Hkv, D]; tables: [B, width] int64; ctx: [B] (or [B, 1]) int64; max_ctx >= ctx.max()."""
     for t in (q, out, rows, k_cache, v_cache, tables, ctx):
         assert t.is_contiguous() and t.device.type == "cpu"
-    assert q.dtype == out.dtype == k_cache.dtype == v_cache.dtype and rows.dtype == tables.dtype == ctx.dtype == torch.int64
+    assert q.dtype == out.dtype and k_cache.dtype == v_cache.dtype and rows.dtype == tables.dtype == ctx.dtype == torch.int64
     _, H, D = q.shape
     _, bs, Hkv, _ = k_cache.shape
     B, width = tables.shape
-    failed = getattr(library(), DECODE_ENTRY_POINTS[q.dtype])(
+    entry = DECODE_ENTRY_POINTS.get((q.dtype, k_cache.dtype))
+    if entry is None:
+        raise TypeError(f"paged decode: no kernel for {q.dtype} queries over a {k_cache.dtype} cache")
+    failed = getattr(library(), entry)(
         q.data_ptr(), rows.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), width,
         ctx.data_ptr(), out.data_ptr(), B, H, Hkv, D, bs, window or 0, max_ctx, scale, softcap or 0.0)
     if failed:

@@ -82,6 +82,15 @@ def set_path(name: str | None) -> None:
     _path = _PATH_CODES[name] if name else _path_from_env()
 
 
+def current_path() -> int:
+    """The path code calls pass now (0: the fastest)."""
+    return _path
+
+
+def error_message(rc: int) -> str:
+    return _ERRORS.get(rc, str(rc))
+
+
 def _check(t: object, what: str, dtype: torch.dtype, dim: int) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, not {type(t).__name__}")

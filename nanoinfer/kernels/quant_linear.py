@@ -58,6 +58,11 @@ class QuantEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.table.type_name}"
 
 
+def has_block_weights(model: nn.Module) -> bool:
+    """Some weight of the model runs in its file's block format."""
+    return any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in model.modules())
+
+
 def kernel_for(t: QuantizedTensor) -> bool:
     return quant.supported(t.qtype) and t.shape[1] % quant.block_size(t.qtype) == 0
 

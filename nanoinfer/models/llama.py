@@ -16,6 +16,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..kernels import layer_ops
 from ..kernels.quant_linear import QuantEmbedding, QuantLinear
+from . import stack as decoder_stack
 from .batch import ForwardBatch
 from .quantized import cat_rows, place_quantized
 from .rotary import RotaryTable
@@ -145,6 +146,8 @@ class Backbone(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    use_decoder_stack = True  # run the layers as one compiled call where they can (models/stack.py)
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
@@ -183,9 +186,13 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(batch.input_ids)
         dtype = x.dtype
         cos, sin = self.rotary(batch.positions, dtype)
-        residual = None
-        for layer in self.model.layers:
-            x, residual = layer(x, residual, cos, sin, batch)
+        stack = decoder_stack.stack_for(self, batch)
+        if stack is not None:
+            x, residual = decoder_stack.run(stack, x, cos, sin, batch)
+        else:
+            residual = None
+            for layer in self.model.layers:
+                x, residual = layer(x, residual, cos, sin, batch)
         if batch.logits_indices is not None:
             x, residual = x[batch.logits_indices], residual[batch.logits_indices]
         return self.lm_head(self.model.norm(x, residual)[0]).float()

@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "common.h"
+#include "team.h"
 
 namespace {
 
@@ -21,67 +22,71 @@ constexpr int64_t kParallelValues = 1 << 15;  // below this much work, threads c
 
 // If add is given, x = x + add first (x is the residual stream, updated in place). Then
 // out = w * (x / sqrt(mean(x^2) + eps)) (normalised in fp32, rounded, times w), w optional.
+// One row. The row functions are never inlined: the entry points below and the decoder
+// stack (decoder_stack.cpp) run the same bodies, so they compute the same bits.
+template <typename T>
+__attribute__((noinline)) void rms_norm_row(T* xr, const T* add, const T* w, T* o, int64_t dim, float eps) {
+    float ss = 0.f;
+    for (int64_t i = 0; i < dim; i++) {
+        float v = load(xr, i);
+        if (add) {
+            v = round_as(v + load(add, i), xr);
+            store(xr, i, v);
+        }
+        ss += v * v;
+    }
+    const float scale = 1.f / std::sqrt(ss / float(dim) + eps);
+    for (int64_t i = 0; i < dim; i++) {
+        const float n = round_as(load(xr, i) * scale, xr);
+        store(o, i, w ? load(w, i) * n : n);
+    }
+}
+
 template <typename T>
 void rms_norm(T* x, const T* add, const T* w, T* out, int64_t rows, int64_t dim, float eps) {
 #pragma omp parallel for if (rows * dim >= kParallelValues)
-    for (int64_t r = 0; r < rows; r++) {
-        T* xr = x + r * dim;
-        T* o = out + r * dim;
-        float ss = 0.f;
-        for (int64_t i = 0; i < dim; i++) {
-            float v = load(xr, i);
-            if (add) {
-                v = round_as(v + load(add + r * dim, i), xr);
-                store(xr, i, v);
-            }
-            ss += v * v;
-        }
-        const float scale = 1.f / std::sqrt(ss / float(dim) + eps);
-        for (int64_t i = 0; i < dim; i++) {
-            const float n = round_as(load(xr, i) * scale, xr);
-            store(o, i, w ? load(w, i) * n : n);
-        }
-    }
+    for (int64_t r = 0; r < rows; r++) rms_norm_row(x + r * dim, add ? add + r * dim : nullptr, w, out + r * dim, dim, eps);
 }
 
-// Rotary embedding, rotate-half layout: for each row t and head h of x (rows `stride`
-// values apart, `heads` heads of D), the pairs (i, i + D/2) turn by the angle whose cos and
-// sin are cos[t, i], sin[t, i] ([rows, D/2]). Written to out, contiguous [rows, heads, D].
+// Rotary embedding, rotate-half layout: for each head h of one row a (`heads` heads of D),
+// the pairs (i, i + D/2) turn by the angle whose cos and sin are c[i], s[i]. Written to o.
+template <typename T>
+__attribute__((noinline)) void rope_row(const T* __restrict a, const T* __restrict c, const T* __restrict s,
+                                        T* __restrict o, int64_t heads, int64_t D) {
+    const int64_t half = D / 2;
+    for (int64_t h = 0; h < heads; h++, a += D, o += D)
+        for (int64_t i = 0; i < half; i++) {
+            const float x1 = load(a, i), x2 = load(a, i + half), ci = load(c, i), si = load(s, i);
+            store(o, i, round_as(x1 * ci, o) - round_as(x2 * si, o));
+            store(o, i + half, round_as(x2 * ci, o) + round_as(x1 * si, o));
+        }
+}
+
+// rope_row for each row t of x (rows `stride` values apart), cos and sin [rows, D/2], out
+// contiguous [rows, heads, D].
 template <typename T>
 void rope(const T* x, int64_t stride, const T* cos, const T* sin, T* out, int64_t rows, int64_t heads, int64_t D) {
-    const int64_t half = D / 2;
 #pragma omp parallel for if (rows * heads * D >= kParallelValues)
-    for (int64_t t = 0; t < rows; t++) {
-        const T* __restrict c = cos + t * half;
-        const T* __restrict s = sin + t * half;
-        for (int64_t h = 0; h < heads; h++) {
-            const T* __restrict a = x + t * stride + h * D;
-            T* __restrict o = out + (t * heads + h) * D;
-            for (int64_t i = 0; i < half; i++) {
-                const float x1 = load(a, i), x2 = load(a, i + half), ci = load(c, i), si = load(s, i);
-                store(o, i, round_as(x1 * ci, o) - round_as(x2 * si, o));
-                store(o, i + half, round_as(x2 * ci, o) + round_as(x1 * si, o));
-            }
-        }
+    for (int64_t t = 0; t < rows; t++) rope_row(x + t * stride, cos + t * (D / 2), sin + t * (D / 2), out + t * heads * D, heads, D);
+}
+
+// o = silu(gate) * up where gate, up are the two halves of g (each `inter` values).
+// silu(g) = g / (1 + e^-g), with e^-|g| so that the exponential never overflows.
+template <typename T>
+__attribute__((noinline)) void silu_mul_row(const T* g, T* o, int64_t inter) {
+    const T* u = g + inter;
+    for (int64_t i = 0; i < inter; i++) {
+        const float gi = load(g, i);
+        const float e = exp_nonpositive(-std::fabs(gi));
+        const float sig = gi >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+        store(o, i, round_as(gi * sig, o) * load(u, i));
     }
 }
 
-// out[r] = silu(gate) * up where gate, up are the two halves of gate_up[r] (each `inter`
-// values). silu(g) = g / (1 + e^-g), with e^-|g| so that the exponential never overflows.
 template <typename T>
 void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t inter) {
 #pragma omp parallel for if (rows * inter >= kParallelValues)
-    for (int64_t r = 0; r < rows; r++) {
-        const T* g = gate_up + r * 2 * inter;
-        const T* u = g + inter;
-        T* o = out + r * inter;
-        for (int64_t i = 0; i < inter; i++) {
-            const float gi = load(g, i);
-            const float e = exp_nonpositive(-std::fabs(gi));
-            const float sig = gi >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
-            store(o, i, round_as(gi * sig, o) * load(u, i));
-        }
-    }
+    for (int64_t r = 0; r < rows; r++) silu_mul_row(gate_up + r * 2 * inter, out + r * inter, inter);
 }
 
 }  // namespace
@@ -101,3 +106,13 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t inter) {
 
 LAYER_OPS(f32, float)
 LAYER_OPS(bf16, BF16)
+
+namespace nanoinfer {
+void rms_norm_row_f32(float* x, const float* add, const float* w, float* out, int64_t dim, float eps) {
+    rms_norm_row(x, add, w, out, dim, eps);
+}
+void rope_row_f32(const float* x, const float* cos, const float* sin, float* out, int64_t heads, int64_t D) {
+    rope_row(x, cos, sin, out, heads, D);
+}
+void silu_mul_row_f32(const float* gate_up, float* out, int64_t inter) { silu_mul_row(gate_up, out, inter); }
+}  // namespace nanoinfer

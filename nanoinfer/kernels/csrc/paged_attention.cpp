@@ -21,6 +21,7 @@
 #include <algorithm>
 
 #include "common.h"
+#include "team.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -101,102 +102,139 @@ void attend_part(const float* qf, const T* k, const T* v, const int64_t* table, 
 constexpr int64_t kMaxParts = 64;
 constexpr int64_t kPartTokens = 256;  // a sequence is split into runs of about this many keys
 
-// Returns 0, or 1 if the scratch could not be allocated (nothing is then written).
-//
 // Work units are runs of a sequence's blocks (flash-decoding's split), so that a long
 // batch-1 decode uses every core. How a sequence is split depends on its own length only,
 // never on the batch or the thread count, and every sequence goes through the same merge:
 // a row's output is bit-identical alone and in any batch.
-template <typename T>
-int paged_decode(const T* q, const int64_t* rows, const T* k, const T* v, const int64_t* tables, int64_t width,
-                 const int64_t* ctx, T* out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
-                 int64_t window, int64_t max_ctx, float scale, float softcap) {
-    const int64_t G = H / Hkv;
-    const int64_t unit_size = H * (D + 2);  // a part's acc [H, D], m [H], l [H], kept for the merge
-    int64_t* offset = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * (B + 1)));
-    if (offset == nullptr) return 1;
+int64_t paged_attention_plan(const int64_t* ctx, int64_t B, int64_t window, int64_t* offset) {
     offset[0] = 0;
     for (int64_t b = 0; b < B; b++) {
         const int64_t n = ctx[b], start = window > 0 && n > window ? n - window : 0;
         const int64_t parts = std::min<int64_t>(kMaxParts, std::max<int64_t>(1, (n - start + kPartTokens - 1) / kPartTokens));
         offset[b + 1] = offset[b] + parts;
     }
+    return offset[B];
+}
+
+// The body of paged_decode, run by every thread of a team: units from paged_attention_plan
+// (`offset`), `units` room for offset[B] * H * (D + 2) floats, `s` this thread's room for
+// H * (max_ctx + D) floats. Ends with the team's barrier. Never inlined: the C entry points
+// and the decoder stack run this one body, so they compute the same bits.
+template <typename TQ, typename TKV>
+__attribute__((noinline)) void paged_decode_team(const TQ* q, const int64_t* rows, const TKV* k, const TKV* v, const int64_t* tables,
+                       int64_t width, const int64_t* ctx, TQ* out, int64_t B, int64_t H, int64_t Hkv, int64_t D,
+                       int64_t bs, int64_t window, int64_t max_ctx, float scale, float softcap,
+                       const int64_t* offset, float* units, float* s) {
+    const int64_t G = H / Hkv;
+    const int64_t unit_size = H * (D + 2);  // a part's acc [H, D], m [H], l [H], kept for the merge
     const int64_t total = offset[B];
-    int64_t* owner = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * total));
-    float* units = static_cast<float*>(std::malloc(sizeof(float) * total * unit_size));
-    if (owner == nullptr || units == nullptr) {
-        std::free(offset), std::free(owner), std::free(units);
+    float* qf = s + H * max_ctx;
+#pragma omp for schedule(dynamic)
+    for (int64_t u = 0; u < total; u++) {
+        const int64_t b = std::upper_bound(offset, offset + B + 1, u) - offset - 1;
+        const int64_t part = u - offset[b], parts = offset[b + 1] - offset[b];
+        const int64_t n = ctx[b], start = window > 0 && n > window ? n - window : 0;
+        const int64_t first = start / bs, blocks = (n + bs - 1) / bs - first, per = (blocks + parts - 1) / parts;
+        const int64_t t0 = std::max(start, (first + part * per) * bs), t1 = std::min(n, (first + (part + 1) * per) * bs);
+        float* acc = units + u * unit_size;
+        float *m = acc + H * D, *l = m + H;
+        if (t0 >= t1) {  // more parts than blocks: this one is empty
+            for (int64_t i = 0; i < H * D; i++) acc[i] = 0.f;
+            for (int64_t h = 0; h < H; h++) m[h] = -INFINITY, l[h] = 0.f;
+            continue;
+        }
+        const TQ* qb = q + rows[b] * H * D;
+        for (int64_t i = 0; i < H * D; i++) qf[i] = load(qb, i) * scale;
+        const int64_t* table = tables + b * width;
+        if (D == 64) attend_part<TKV, 64>(qf, k, v, table, t0, t1, bs, Hkv, G, D, softcap, s, acc, m, l);
+        else if (D == 128) attend_part<TKV, 128>(qf, k, v, table, t0, t1, bs, Hkv, G, D, softcap, s, acc, m, l);
+        else attend_part<TKV, 0>(qf, k, v, table, t0, t1, bs, Hkv, G, D, softcap, s, acc, m, l);
+    }
+    // merge each sequence's parts: rescale to the largest max, then divide by the total
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < B; b++) {
+        TQ* ob = out + rows[b] * H * D;
+        const float* first_unit = units + offset[b] * unit_size;
+        const int64_t parts = offset[b + 1] - offset[b];
+        for (int64_t h = 0; h < H; h++) {
+            float top = -INFINITY, total_l = 0.f, w[kMaxParts];
+            for (int64_t p = 0; p < parts; p++) top = std::max(top, first_unit[p * unit_size + H * D + h]);
+            for (int64_t p = 0; p < parts; p++) {
+                const float* unit = first_unit + p * unit_size;
+                const float lp = unit[H * D + H + h];
+                w[p] = lp > 0.f ? exp_nonpositive(unit[H * D + h] - top) : 0.f;
+                total_l += lp * w[p];
+            }
+            for (int64_t d = 0; d < D; d++) {
+                float o = 0.f;
+                for (int64_t p = 0; p < parts; p++) o += w[p] * first_unit[p * unit_size + h * D + d];
+                store(ob, h * D + d, o / total_l);
+            }
+        }
+    }
+}
+
+// Returns 0, or 1 if the scratch could not be allocated (nothing is then written).
+template <typename TQ, typename TKV>
+int paged_decode(const TQ* q, const int64_t* rows, const TKV* k, const TKV* v, const int64_t* tables, int64_t width,
+                 const int64_t* ctx, TQ* out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
+                 int64_t window, int64_t max_ctx, float scale, float softcap) {
+    int64_t* offset = static_cast<int64_t*>(std::malloc(sizeof(int64_t) * (B + 1)));
+    if (offset == nullptr) return 1;
+    const int64_t total = paged_attention_plan(ctx, B, window, offset);
+    float* units = static_cast<float*>(std::malloc(sizeof(float) * total * H * (D + 2)));
+    if (units == nullptr) {
+        std::free(offset);
         return 1;
     }
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t u = offset[b]; u < offset[b + 1]; u++) owner[u] = b;
     int failed = 0;
 #pragma omp parallel
     {
-        float* s = static_cast<float*>(std::malloc(sizeof(float) * (H * max_ctx + H * D)));
-        float* qf = s + H * max_ctx;
+        float* s = static_cast<float*>(std::malloc(sizeof(float) * H * (max_ctx + D)));
         if (s == nullptr) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp barrier
-#pragma omp for schedule(dynamic)
-        for (int64_t u = 0; u < (failed ? 0 : total); u++) {
-            const int64_t b = owner[u], part = u - offset[b], parts = offset[b + 1] - offset[b];
-            const int64_t n = ctx[b], start = window > 0 && n > window ? n - window : 0;
-            const int64_t first = start / bs, blocks = (n + bs - 1) / bs - first, per = (blocks + parts - 1) / parts;
-            const int64_t t0 = std::max(start, (first + part * per) * bs), t1 = std::min(n, (first + (part + 1) * per) * bs);
-            float* acc = units + u * unit_size;
-            float *m = acc + H * D, *l = m + H;
-            if (t0 >= t1) {  // more parts than blocks: this one is empty
-                for (int64_t i = 0; i < H * D; i++) acc[i] = 0.f;
-                for (int64_t h = 0; h < H; h++) m[h] = -INFINITY, l[h] = 0.f;
-                continue;
-            }
-            const T* qb = q + rows[b] * H * D;
-            for (int64_t i = 0; i < H * D; i++) qf[i] = load(qb, i) * scale;
-            const int64_t* table = tables + b * width;
-            if (D == 64) attend_part<T, 64>(qf, k, v, table, t0, t1, bs, Hkv, G, D, softcap, s, acc, m, l);
-            else if (D == 128) attend_part<T, 128>(qf, k, v, table, t0, t1, bs, Hkv, G, D, softcap, s, acc, m, l);
-            else attend_part<T, 0>(qf, k, v, table, t0, t1, bs, Hkv, G, D, softcap, s, acc, m, l);
-        }
-        // merge each sequence's parts: rescale to the largest max, then divide by the total
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < (failed ? 0 : B); b++) {
-            T* ob = out + rows[b] * H * D;
-            const float* first_unit = units + offset[b] * unit_size;
-            const int64_t parts = offset[b + 1] - offset[b];
-            for (int64_t h = 0; h < H; h++) {
-                float top = -INFINITY, total_l = 0.f, w[kMaxParts];
-                for (int64_t p = 0; p < parts; p++) top = std::max(top, first_unit[p * unit_size + H * D + h]);
-                for (int64_t p = 0; p < parts; p++) {
-                    const float* unit = first_unit + p * unit_size;
-                    const float lp = unit[H * D + H + h];
-                    w[p] = lp > 0.f ? exp_nonpositive(unit[H * D + h] - top) : 0.f;
-                    total_l += lp * w[p];
-                }
-                for (int64_t d = 0; d < D; d++) {
-                    float o = 0.f;
-                    for (int64_t p = 0; p < parts; p++) o += w[p] * first_unit[p * unit_size + h * D + d];
-                    store(ob, h * D + d, o / total_l);
-                }
-            }
-        }
+        if (!failed)
+            paged_decode_team(q, rows, k, v, tables, width, ctx, out, B, H, Hkv, D, bs, window, max_ctx, scale,
+                              softcap, offset, units, s);
         std::free(s);
     }
-    std::free(offset), std::free(owner), std::free(units);
+    std::free(offset), std::free(units);
     return failed;
 }
 
 }  // namespace
 
-#define ENTRY(NAME, T)                                                                                      \
-    extern "C" int NAME(const T* q, const int64_t* rows, const T* k, const T* v, const int64_t* tables,    \
-                        int64_t width, const int64_t* ctx, T* out, int64_t B, int64_t H, int64_t Hkv,      \
+namespace nanoinfer {
+
+int64_t attention_plan(const int64_t* ctx, int64_t B, int64_t window, int64_t* offset) {
+    return paged_attention_plan(ctx, B, window, offset);
+}
+
+void attention_team_f32(const float* q, const int64_t* rows, const void* k, const void* v, bool bf16_kv,
+                              const int64_t* tables, int64_t width, const int64_t* ctx, float* out, int64_t B,
+                              int64_t H, int64_t Hkv, int64_t D, int64_t bs, int64_t window, int64_t max_ctx,
+                              float scale, float softcap, const int64_t* offset, float* units, float* s) {
+    if (bf16_kv)
+        paged_decode_team(q, rows, static_cast<const BF16*>(k), static_cast<const BF16*>(v), tables, width, ctx, out, B,
+                          H, Hkv, D, bs, window, max_ctx, scale, softcap, offset, units, s);
+    else
+        paged_decode_team(q, rows, static_cast<const float*>(k), static_cast<const float*>(v), tables, width, ctx, out,
+                          B, H, Hkv, D, bs, window, max_ctx, scale, softcap, offset, units, s);
+}
+
+}  // namespace nanoinfer
+
+#define ENTRY(NAME, TQ, TKV)                                                                                \
+    extern "C" int NAME(const TQ* q, const int64_t* rows, const TKV* k, const TKV* v, const int64_t* tables, \
+                        int64_t width, const int64_t* ctx, TQ* out, int64_t B, int64_t H, int64_t Hkv,      \
                         int64_t D, int64_t bs, int64_t window, int64_t max_ctx, float scale,               \
                         float softcap) {                                                                   \
-        return paged_decode<T>(q, rows, k, v, tables, width, ctx, out, B, H, Hkv, D, bs, window, max_ctx,  \
-                               scale, softcap);                                                            \
+        return paged_decode<TQ, TKV>(q, rows, k, v, tables, width, ctx, out, B, H, Hkv, D, bs, window,      \
+                                     max_ctx, scale, softcap);                                             \
     }
-ENTRY(paged_decode_f32, float)
-ENTRY(paged_decode_bf16, BF16)
+ENTRY(paged_decode_f32, float, float)
+ENTRY(paged_decode_bf16, BF16, BF16)
+ENTRY(paged_decode_f32_bf16kv, float, BF16)  // fp32 activations over a bf16 cache (the quantised path)

@@ -31,8 +31,8 @@
 //
 // Work split: rows of W in chunks of 16 per thread (OpenMP, static), only when the matrix is
 // big enough to pay for the threads. Up to 8 rows of x, each weight row is read once while
-// every tile of (up to 4) x rows takes it from L1; a single x row takes two weight rows at
-// once. More rows of x: each tile of 4 sweeps a chunk of 16 weight rows kept in cache.
+// every tile of (up to 4) x rows takes it from L1; a single x row takes 4 or 8 weight rows
+// at once. More rows of x: each tile of 4 sweeps a chunk of 16 weight rows kept in cache.
 //
 // Layouts: x [M, K] fp32, w [N, row_bytes] uint8, bias [N] fp32 or null, y [M, N] fp32,
 // all contiguous.
@@ -46,6 +46,8 @@
 #include <cpuid.h>
 #include <immintrin.h>
 #endif
+
+#include "team.h"
 
 namespace {
 
@@ -160,6 +162,7 @@ struct Ctx {
     const int16_t* bs;
     const float* bias;
     float* y;
+    int64_t ldy;              // y[m, n] is y[m * ldy + n]
 };
 
 // ---- block layouts (portable decoders; also the reference for the AVX2 loaders) --------
@@ -321,7 +324,7 @@ void rows_portable(const Ctx& c, int64_t n0, int cols, int64_t m0, int mt) {
             v = dotk_portable<T>(w, c.nb, c.q + m * c.K, c.d + m * c.nb, c.bs + m * c.nb * 16);
         else
             v = dot32_portable<T>(w, c.nb, c.q + m * c.K, c.d + m * c.nb, c.s ? c.s + m * c.nb : nullptr);
-        c.y[m * c.N + n] = c.bias ? v + c.bias[n] : v;
+        c.y[m * c.ldy + n] = c.bias ? v + c.bias[n] : v;
     }
 }
 
@@ -374,7 +377,7 @@ QG_AVX2 inline __m256i load32(const uint8_t* b) {
 }
 
 // Outputs y[m0 .. m0 + R - 1, n .. n + C - 1] of a 32-block type: each weight block is decoded
-// once for the R rows; C = 2 weight rows at once give a single activation row two independent
+// once for the R rows; C weight rows at once give a single activation row C independent
 // chains of fused multiply-adds (one chain waits on the FMA latency). maddubs (u8 x s8 pairs
 // to int16) cannot saturate: |w| <= 128 and |x| <= 127. (Computing the scales of 8 blocks at
 // once, with the fp16 gathered into one vector, measured 10-15% slower than this.)
@@ -419,7 +422,7 @@ QG_AVX2 void tile32_avx2(const Ctx& c, int64_t n, int64_t m0) {
         for (int i = 0; i < R; i++) {
             float v = hsum8_avx2(acc[j][i]);
             if constexpr (has_min) v = opaque(v + mins[j][i]);
-            c.y[(m0 + i) * c.N + n + j] = c.bias ? v + c.bias[n + j] : v;
+            c.y[(m0 + i) * c.ldy + n + j] = c.bias ? v + c.bias[n + j] : v;
         }
 }
 
@@ -523,7 +526,7 @@ QG_AVX2 void tilek_avx2(const Ctx& c, int64_t n, int64_t m0) {
             }
         }
     }
-    for (int i = 0; i < R; i++) c.y[(m0 + i) * c.N + n] = c.bias ? acc[i] + c.bias[n] : acc[i];
+    for (int i = 0; i < R; i++) c.y[(m0 + i) * c.ldy + n] = c.bias ? acc[i] + c.bias[n] : acc[i];
 }
 
 template <bool BF>
@@ -567,7 +570,7 @@ QG_AVX2 void tile16_avx2(const Ctx& c, int64_t n, int64_t m0) {
         __m256 v = _mm256_add_ps(a0[i], a1[i]);
         asm("" : "+x"(v));
         const float r = hsum8_avx2(v);
-        c.y[(m0 + i) * c.N + n] = c.bias ? r + c.bias[n] : r;
+        c.y[(m0 + i) * c.ldy + n] = c.bias ? r + c.bias[n] : r;
     }
 }
 
@@ -588,11 +591,16 @@ QG_AVX2 void tiles_avx2(const Ctx& c, int64_t n, int64_t m0, int mt) {
     }
 }
 
-// Outputs y[m0 .. m0 + mt - 1, n .. n + cols - 1] (cols 1 or 2).
+// Outputs y[m0 .. m0 + mt - 1, n .. n + cols - 1] (cols 1 to 8). A single row of x takes 4
+// weight rows at once (8 for Q8_0; measured best, streaming a model's weights from memory).
 template <int T>
 QG_AVX2 void rows_avx2(const Ctx& c, int64_t n, int cols, int64_t m0, int mt) {
     if constexpr (!(T == F16 || T == BF16 || T == Q4_K || T == Q5_K || T == Q6_K))
-        if (mt == 1 && cols == 2) return tile32_avx2<T, 1, 2>(c, n, m0);
+        if (mt == 1) {
+            if (T == Q8_0 && cols == 8) return tile32_avx2<T, 1, 8>(c, n, m0);
+            for (; cols >= 4; cols -= 4, n += 4) tile32_avx2<T, 1, 4>(c, n, m0);
+            for (; cols >= 2; cols -= 2, n += 2) tile32_avx2<T, 1, 2>(c, n, m0);
+        }
     for (int j = 0; j < cols; j++) tiles_avx2<T>(c, n + j, m0, mt);
 }
 
@@ -651,9 +659,9 @@ void drive(const Ctx& c, RowsFn fn) {
     for (int64_t ch = 0; ch < chunks; ch++) {
         const int64_t n0 = ch * NCHUNK, n1 = std::min(c.N, n0 + NCHUNK);
         if (c.M <= 2 * MT) {
-            for (int64_t n = n0; n < n1; n += 2)
+            for (int64_t n = n0; n < n1; n += 8)
                 for (int64_t m0 = 0; m0 < c.M; m0 += MT)
-                    fn(c, n, int(std::min<int64_t>(2, n1 - n)), m0, int(std::min<int64_t>(MT, c.M - m0)));
+                    fn(c, n, int(std::min<int64_t>(8, n1 - n)), m0, int(std::min<int64_t>(MT, c.M - m0)));
         } else {
             for (int64_t m0 = 0; m0 < c.M; m0 += MT)
                 for (int64_t n = n0; n < n1; n += 2)
@@ -662,7 +670,71 @@ void drive(const Ctx& c, RowsFn fn) {
     }
 }
 
+// Where the quantised activations of M rows lie in one buffer: int8 values, then a scale per
+// block, then (Q4_1, Q5_1) d * sum(q) per block, then (K-quants) sums of q per 16 values.
+struct Acts {
+    int64_t nq, nd, nbs;  // 8-byte words of each part
+    bool with_s, with_bs;
+    Acts(int qtype, int64_t M, int64_t K) {
+        const int64_t B = block_of(qtype);
+        with_s = qtype == Q4_1 || qtype == Q5_1;
+        with_bs = B == QK;
+        nq = B > 1 ? (M * K + 7) / 8 : 0;
+        nd = B > 1 ? (M * (K / B) + 1) / 2 : 0;
+        nbs = with_bs ? (M * K / 16 + 3) / 4 : 0;
+    }
+    int64_t words() const { return nq + nd * (with_s ? 2 : 1) + nbs; }
+};
+
 }  // namespace
+
+namespace nanoinfer {
+
+int64_t quant_acts_bytes(int qtype, int64_t M, int64_t K) { return Acts(qtype, M, K).words() * 8; }
+
+bool same_acts(int a, int b) {
+    return block_of(a) == block_of(b) && (a == Q4_1 || a == Q5_1) == (b == Q4_1 || b == Q5_1);
+}
+
+// Returns 0, or -1: no kernel for qtype, -2: path unavailable, -3: K not a multiple of the block.
+// Every thread of a team returns the same: the checks depend on the arguments only.
+__attribute__((noinline)) int quant_linear_team(int qtype, int path, const float* x, int64_t M, int64_t K,
+                                                const uint8_t* w, int64_t N, const float* bias, float* y, int64_t ldy,
+                                                void* acts, bool quantise) {
+    if (bytes_of(qtype) == 0) return -1;
+    const int64_t B = block_of(qtype);
+    if (K <= 0 || K % B != 0) return -3;
+    if (path == PATH_BEST) path = have_avx2() ? PATH_AVX2 : PATH_PORTABLE;
+    if (path == PATH_AVX2 && !have_avx2()) return -2;
+    if (path != PATH_AVX2 && path != PATH_PORTABLE) return -2;
+    RowsFn fn = pick<PickPortable>(qtype);
+#if defined(QG_X86)
+    if (path == PATH_AVX2) fn = pick<PickAvx2>(qtype);
+#endif
+    if (M <= 0 || N <= 0) return 0;
+
+    Ctx c{M, K, N, K / B, K / B * bytes_of(qtype), w, x, nullptr, nullptr, nullptr, nullptr, bias, y, ldy};
+    if (B > 1) {
+        const Acts a(qtype, M, K);
+        uint64_t* p = static_cast<uint64_t*>(acts);
+        c.q = reinterpret_cast<const int8_t*>(p);
+        c.d = reinterpret_cast<const float*>(p + a.nq);
+        c.s = a.with_s ? reinterpret_cast<const float*>(p + a.nq + a.nd) : nullptr;
+        c.bs = a.with_bs ? reinterpret_cast<const int16_t*>(p + a.nq + a.nd * (a.with_s ? 2 : 1)) : nullptr;
+        if (quantise) {
+            const int64_t group = qtype == Q6_K ? 16 : 32;
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++)
+                quantize_row(x + m * K, K, B, const_cast<int8_t*>(c.q) + m * K, const_cast<float*>(c.d) + m * c.nb,
+                             c.s ? const_cast<float*>(c.s) + m * c.nb : nullptr,
+                             c.bs ? const_cast<int16_t*>(c.bs) + m * (K / 16) : nullptr, group);
+        }
+    }
+    drive(c, fn);
+    return 0;
+}
+
+}  // namespace nanoinfer
 
 // Bit p set when path p (PATH_PORTABLE, PATH_AVX2) runs on this CPU.
 extern "C" int quant_paths() { return (1 << PATH_PORTABLE) | (have_avx2() ? 1 << PATH_AVX2 : 0); }
@@ -678,61 +750,30 @@ struct LinearArgs {
     int64_t M, K, N;
 };
 
-// Returns 0, or -1: no kernel for qtype, -2: path unavailable, -3: K not a multiple of the block.
+// Returns 0 or the codes of quant_linear_team.
 extern "C" int quant_linear(const LinearArgs* a) {
     const int qtype = int(a->qtype);
     const int64_t M = a->M, K = a->K, N = a->N;
     if (bytes_of(qtype) == 0) return -1;
-    const int64_t B = block_of(qtype);
-    if (K <= 0 || K % B != 0) return -3;
-    int path = int(a->path);
-    if (path == PATH_BEST) path = have_avx2() ? PATH_AVX2 : PATH_PORTABLE;
-    if (path == PATH_AVX2 && !have_avx2()) return -2;
-    if (path != PATH_AVX2 && path != PATH_PORTABLE) return -2;
-    RowsFn fn = pick<PickPortable>(qtype);
-#if defined(QG_X86)
-    if (path == PATH_AVX2) fn = pick<PickAvx2>(qtype);
-#endif
-    if (M <= 0 || N <= 0) return 0;
-
-    Ctx c{M, K, N, K / B, K / B * bytes_of(qtype), a->w, a->x, nullptr, nullptr, nullptr, nullptr, a->bias, a->y};
-    const bool quantised = B > 1, with_s = qtype == Q4_1 || qtype == Q5_1, with_bs = B == QK;
-    const int64_t group = qtype == Q6_K ? 16 : 32;
     // The quantised activations, in one buffer per calling thread, reused across calls.
     static thread_local std::vector<uint64_t> buf;
-    if (quantised) {
-        const int64_t nq = (M * K + 7) / 8, nd = (M * c.nb + 1) / 2, nbs = (M * K / 16 + 3) / 4;
-        buf.resize(size_t(nq + nd * (with_s ? 2 : 1) + (with_bs ? nbs : 0)));
-        uint64_t* p = buf.data();
-        c.q = reinterpret_cast<const int8_t*>(p);
-        c.d = reinterpret_cast<const float*>(p + nq);
-        c.s = with_s ? reinterpret_cast<const float*>(p + nq + nd) : nullptr;
-        c.bs = with_bs ? reinterpret_cast<const int16_t*>(p + nq + nd * (with_s ? 2 : 1)) : nullptr;
-    }
-    auto quantise = [&](int64_t m) {
-        quantize_row(a->x + m * K, K, B, const_cast<int8_t*>(c.q) + m * K, const_cast<float*>(c.d) + m * c.nb,
-                     c.s ? const_cast<float*>(c.s) + m * c.nb : nullptr,
-                     c.bs ? const_cast<int16_t*>(c.bs) + m * (K / 16) : nullptr, group);
-    };
+    buf.resize(size_t(std::max<int64_t>(1, Acts(qtype, std::max<int64_t>(M, 0), K).words())));
+    void* acts = buf.data();  // taken here: in the team, `buf` names each thread's own
     // Threads only where there is work for them: starting a team and the barriers cost a few
-    // microseconds, more than a small matrix takes. A few rows of x are quantised before.
-    const bool parallel = N * c.rb * std::min<int64_t>(M, 4) >= (1 << 16) && N >= 2 * NCHUNK;
-    const bool quantise_first = quantised && (!parallel || M * K < (1 << 15));
-    if (quantise_first)
-        for (int64_t m = 0; m < M; m++) quantise(m);
-    if (!parallel) {
-        drive(c, fn);
-        return 0;
-    }
+    // microseconds, more than a small matrix takes.
+    const int64_t rb = K > 0 && K % block_of(qtype) == 0 ? K / block_of(qtype) * bytes_of(qtype) : 0;
+    const bool parallel = N * rb * std::min<int64_t>(M, 4) >= (1 << 16) && N >= 2 * NCHUNK;
+    if (!parallel)
+        return nanoinfer::quant_linear_team(qtype, int(a->path), a->x, M, K, a->w, N, a->bias, a->y, N, acts, true);
+    int rc = 0;
 #pragma omp parallel
     {
-        if (quantised && !quantise_first) {
-#pragma omp for schedule(static)
-            for (int64_t m = 0; m < M; m++) quantise(m);
-        }
-        drive(c, fn);
+        const int r = nanoinfer::quant_linear_team(qtype, int(a->path), a->x, M, K, a->w, N, a->bias, a->y, N, acts,
+                                                   true);
+#pragma omp master
+        rc = r;
     }
-    return 0;
+    return rc;
 }
 
 // out[r] = row rows[r] of w dequantised (K values), exactly as gguf's numpy dequantisation

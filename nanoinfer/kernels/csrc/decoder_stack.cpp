@@ -1,0 +1,213 @@
+// The decoder layers of a Llama-family model (Llama, Mistral, Qwen2/3, SmolLM) as one call:
+// for every layer, RMSNorm (with the residual add), the q/k/v projection, q/k norms where the
+// model has them, rotary, k and v written to their cache slots, paged attention, the output
+// projection, RMSNorm, gate/up, silu * up, down. Weights in their GGUF blocks (quant_gemm.cpp).
+//
+// Why: at batch-1 decode a layer is a dozen small operations, and calling each from Python
+// (module call, tensor allocation, ctypes, an OpenMP team started per op) cost more than the
+// arithmetic: 30 layers of SmolLM2-135M took ~18 ms a token, ~10 of them in the kernels.
+// Here the whole stack runs in one OpenMP parallel region, the threads meeting at a barrier
+// between steps, and every buffer is reused from step to step.
+//
+// Each step is the same function the Python path calls (team.h: one body for both callers),
+// on the same values in the same order, so a row's output is bit for bit what the layer
+// modules compute (tests/test_decoder_stack.py holds them to it), and batch invariance
+// carries over: rows are split among threads only where each row's result is its own.
+//
+// Layouts: x, residual [T, hidden] fp32; cos, sin [T, D / 2]; the caches one layer each,
+// [blocks, block_size, Hkv, D] fp32 or bf16; slots [T], rows [T], tables [T, width], ctx [T]
+// as the CPU attention backend's metadata (every row a one-row query over the cache).
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "common.h"
+#include "team.h"
+
+namespace {
+
+constexpr int kMaxParts = 3;
+
+struct StackPart {
+    int64_t qtype;
+    const uint8_t* w;
+    int64_t n;  // output columns (rows of W)
+};
+
+struct StackLinear {
+    int64_t nparts;
+    StackPart part[kMaxParts];  // outputs side by side, as the fused projection's
+    const float* bias;          // [sum of n] or null
+};
+
+struct StackLayer {
+    const float *in_norm, *post_norm, *q_norm, *k_norm;  // q_norm, k_norm: [D] or null
+    StackLinear qkv, o, gate_up, down;
+    void *k_cache, *v_cache;
+    int64_t window;  // 0: none
+    float scale, softcap;
+};
+
+struct StackModel {
+    int64_t num_layers, hidden, H, Hkv, D, inter, block_size, bf16_kv;
+    const StackLayer* layers;
+    float eps;
+};
+
+struct StackStep {
+    int64_t T, path;  // path: quant_gemm's PATH_* (0: the best)
+    float* x;         // in: the embeddings; out: the last layer's output
+    float* residual;  // out: the residual stream it adds to
+    const float *cos, *sin;
+    const int64_t *slots, *rows, *tables, *ctx;
+    int64_t width, max_ctx;
+};
+
+int64_t width_of(const StackLinear& l) {
+    int64_t n = 0;
+    for (int64_t p = 0; p < l.nparts; p++) n += l.part[p].n;
+    return n;
+}
+
+// y [T, width] = x [T, K] W^T, part by part; x quantised once per activation format.
+int linear(const StackLinear& l, const float* x, int64_t T, int64_t K, float* y, int64_t path, void* acts) {
+    const int64_t ldy = width_of(l);
+    int64_t off = 0;
+    for (int64_t p = 0; p < l.nparts; p++) {
+        const StackPart& part = l.part[p];
+        const bool quantise = p == 0 || !nanoinfer::same_acts(int(l.part[p - 1].qtype), int(part.qtype));
+        const int rc = nanoinfer::quant_linear_team(int(part.qtype), int(path), x, T, K, part.w, part.n,
+                                                    l.bias ? l.bias + off : nullptr, y + off, ldy, acts, quantise);
+        if (rc) return rc;
+        off += part.n;
+    }
+    return 0;
+}
+
+int64_t acts_bytes(const StackLinear& l, int64_t T, int64_t K) {
+    int64_t most = 0;
+    for (int64_t p = 0; p < l.nparts; p++) most = std::max(most, nanoinfer::quant_acts_bytes(int(l.part[p].qtype), T, K));
+    return most;
+}
+
+void store_row(void* cache, bool bf16, int64_t slot, const float* src, int64_t n) {
+    if (bf16) {
+        BF16* dst = static_cast<BF16*>(cache) + slot * n;
+        for (int64_t i = 0; i < n; i++) store(dst, i, src[i]);
+    } else {
+        std::memcpy(static_cast<float*>(cache) + slot * n, src, sizeof(float) * n);
+    }
+}
+
+// One buffer per calling thread, grown as needed and reused.
+float* scratch(std::vector<float>& buf, int64_t n) {
+    if (int64_t(buf.size()) < n) buf.resize(size_t(n));
+    return buf.data();
+}
+
+}  // namespace
+
+// Returns 0, or a quant_linear error code (< 0), or 1: a layer's shapes are inconsistent.
+extern "C" int decoder_stack(const StackModel* m, const StackStep* s) {
+    const int64_t T = s->T, E = m->hidden, H = m->H, Hkv = m->Hkv, D = m->D, I = m->inter;
+    const int64_t QKV = (H + 2 * Hkv) * D;
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        const StackLayer& L = m->layers[l];
+        if (width_of(L.qkv) != QKV || width_of(L.o) != E || width_of(L.gate_up) != 2 * I || width_of(L.down) != E)
+            return 1;
+    }
+    if (T <= 0) return 0;
+
+    // Shared buffers: h (a norm's output), qkv, q (rotated), att (attention's output),
+    // proj (the o projection's output), gu (gate and up), act (silu * up); then the
+    // quantised activations and the attention's work units.
+    int64_t acts = 0;
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        const StackLayer& L = m->layers[l];
+        acts = std::max({acts, acts_bytes(L.qkv, T, E), acts_bytes(L.o, T, H * D), acts_bytes(L.gate_up, T, E),
+                         acts_bytes(L.down, T, I)});
+    }
+    std::vector<int64_t> offset_buf(size_t(T + 1));
+    int64_t* offset = offset_buf.data();
+    const int64_t most_units = nanoinfer::attention_plan(s->ctx, T, 0, offset);  // no window: the most units
+    const int64_t sizes[] = {T * E, T * QKV, T * H * D, T * H * D, T * E, T * 2 * I, T * I, (acts + 3) / 4,
+                             most_units * H * (D + 2)};
+    int64_t total = 0;
+    for (int64_t n : sizes) total += (n + 15) / 16 * 16;  // each 64-byte aligned within the buffer
+    static thread_local std::vector<float> shared;
+    float* base = scratch(shared, total + 16);
+    base += (16 - (reinterpret_cast<uintptr_t>(base) / 4) % 16) % 16;
+    float* parts[9];
+    for (int i = 0; i < 9; i++) {
+        parts[i] = base;
+        base += (sizes[i] + 15) / 16 * 16;
+    }
+    float *h = parts[0], *qkv = parts[1], *q = parts[2], *att = parts[3], *proj = parts[4], *gu = parts[5],
+          *act = parts[6], *units = parts[8];
+    void* qacts = parts[7];
+    const bool bf16 = m->bf16_kv != 0;
+    int rc = 0;
+
+#pragma omp parallel
+    {
+        static thread_local std::vector<float> own;  // this thread's attention scores, then one row's q and k
+        float* sc = scratch(own, H * (s->max_ctx + D) + 2 * (H + Hkv) * D);
+        float* qk = sc + H * (s->max_ctx + D);  // a row's q and k heads, rotated
+        float* normed = qk + (H + Hkv) * D;     // and before, normed (q/k norms)
+        for (int64_t l = 0; l < m->num_layers; l++) {
+            const StackLayer& L = m->layers[l];
+            // input norm; the first layer's stream is x itself, later ones add x to it
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < T; t++) {
+                float *xr = s->x + t * E, *res = s->residual + t * E;
+                if (l == 0) std::memcpy(res, xr, sizeof(float) * E);
+                nanoinfer::rms_norm_row_f32(res, l == 0 ? nullptr : xr, L.in_norm, h + t * E, E, m->eps);
+            }
+            int r = linear(L.qkv, h, T, E, qkv, s->path, qacts);
+            // q and k normed (where the model does) and rotated; k and v stored in their slots
+            if (!r) {
+#pragma omp for schedule(static)
+                for (int64_t t = 0; t < T; t++) {
+                    float* row = qkv + t * QKV;
+                    const float *c = s->cos + t * (D / 2), *sn = s->sin + t * (D / 2);
+                    if (L.q_norm) {
+                        for (int64_t hd = 0; hd < H + Hkv; hd++)
+                            nanoinfer::rms_norm_row_f32(row + hd * D, nullptr, hd < H ? L.q_norm : L.k_norm,
+                                                        normed + hd * D, D, m->eps);
+                        nanoinfer::rope_row_f32(normed, c, sn, qk, H, D);
+                        nanoinfer::rope_row_f32(normed + H * D, c, sn, qk + H * D, Hkv, D);
+                    } else {
+                        nanoinfer::rope_row_f32(row, c, sn, qk, H + Hkv, D);
+                    }
+                    std::memcpy(q + t * H * D, qk, sizeof(float) * H * D);
+                    store_row(L.k_cache, bf16, s->slots[t], qk + H * D, Hkv * D);
+                    store_row(L.v_cache, bf16, s->slots[t], row + (H + Hkv) * D, Hkv * D);
+                }
+#pragma omp single
+                nanoinfer::attention_plan(s->ctx, T, L.window, offset);
+                nanoinfer::attention_team_f32(q, s->rows, L.k_cache, L.v_cache, bf16, s->tables, s->width, s->ctx, att,
+                                              T, H, Hkv, D, m->block_size, L.window, s->max_ctx, L.scale, L.softcap,
+                                              offset, units, sc);
+                r = linear(L.o, att, T, H * D, proj, s->path, qacts);
+            }
+            if (!r) {
+#pragma omp for schedule(static)
+                for (int64_t t = 0; t < T; t++)
+                    nanoinfer::rms_norm_row_f32(s->residual + t * E, proj + t * E, L.post_norm, h + t * E, E, m->eps);
+                r = linear(L.gate_up, h, T, E, gu, s->path, qacts);
+            }
+            if (!r) {
+#pragma omp for schedule(static)
+                for (int64_t t = 0; t < T; t++) nanoinfer::silu_mul_row_f32(gu + t * 2 * I, act + t * I, I);
+                r = linear(L.down, act, T, I, s->x, s->path, qacts);
+            }
+            if (r) {  // the same for every thread: the codes depend on the arguments alone
+#pragma omp master
+                rc = r;
+                break;
+            }
+        }
+    }
+    return rc;
+}

@@ -1,0 +1,41 @@
+// The pieces of a decoder layer as functions that every thread of an OpenMP team calls
+// together (the work is split with `omp for`, which ends in a barrier), so that the decoder
+// stack (decoder_stack.cpp) runs a whole forward in one parallel region. Each is the one
+// body that the file's own C entry point runs too: both callers compute the same bits.
+// Outside a parallel region they run on the calling thread alone.
+#pragma once
+#include <cstdint>
+
+namespace nanoinfer {
+
+// ---- quant_gemm.cpp --------------------------------------------------------------------
+
+// Bytes of quantised activations for M rows of K values, as a weight of qtype needs them.
+int64_t quant_acts_bytes(int qtype, int64_t M, int64_t K);
+// y[m, n] (row stride ldy) = x[m] . W[n] (+ bias[n]) for W [N, K] in qtype's blocks, on `path`
+// (0: the best). `acts`: quant_acts_bytes(qtype, M, K) bytes, shared by the team; with
+// quantise false, it already holds x quantised for a weight of the same activation format
+// (the previous part of a fused projection). Returns 0 or quant_linear's error codes.
+int quant_linear_team(int qtype, int path, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+                      const float* bias, float* y, int64_t ldy, void* acts, bool quantise);
+// The same activation quantisation for weights of types a and b.
+bool same_acts(int a, int b);
+
+// ---- paged_attention.cpp ---------------------------------------------------------------
+
+// Work units of each row's attention (offset: B + 1 values); returns their number.
+int64_t attention_plan(const int64_t* ctx, int64_t B, int64_t window, int64_t* offset);
+// paged_decode with fp32 q and out over an fp32 (or bf16) cache. units: offset[B] * H * (D + 2)
+// floats shared by the team; s: H * (max_ctx + D) floats of this thread's own.
+void attention_team_f32(const float* q, const int64_t* rows, const void* k, const void* v, bool bf16_kv,
+                        const int64_t* tables, int64_t width, const int64_t* ctx, float* out, int64_t B, int64_t H,
+                        int64_t Hkv, int64_t D, int64_t bs, int64_t window, int64_t max_ctx, float scale,
+                        float softcap, const int64_t* offset, float* units, float* s);
+
+// ---- layer_ops.cpp (one row each; fp32) ------------------------------------------------
+
+void rms_norm_row_f32(float* x, const float* add, const float* w, float* out, int64_t dim, float eps);
+void rope_row_f32(const float* x, const float* cos, const float* sin, float* out, int64_t heads, int64_t D);
+void silu_mul_row_f32(const float* gate_up, float* out, int64_t inter);
+
+}  // namespace nanoinfer

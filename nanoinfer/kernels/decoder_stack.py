@@ -1,0 +1,136 @@
+"""A Llama-family decoder stack run as one compiled call (csrc/decoder_stack.cpp): every
+layer's norms, projections (weights in their GGUF blocks), rotary, KV-cache writes and paged
+attention, in one OpenMP region. Each step is the same C++ function the layer modules call,
+so the result is bit for bit theirs; what goes is the per-op cost of Python, tensor
+allocation and starting threads, which at batch-1 decode was as large as the arithmetic.
+
+This module knows weights and buffers only; nanoinfer/models/stack.py maps a model's layers
+onto it."""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from . import cpu_kernels, quant
+
+_MAX_PARTS = 3  # kMaxParts in csrc/decoder_stack.cpp
+_p, _i, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class _Part(ctypes.Structure):
+    _fields_ = [("qtype", _i), ("w", _p), ("n", _i)]
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("nparts", _i), ("part", _Part * _MAX_PARTS), ("bias", _p)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("in_norm", _p), ("post_norm", _p), ("q_norm", _p), ("k_norm", _p), ("qkv", _Linear), ("o", _Linear),
+                ("gate_up", _Linear), ("down", _Linear), ("k_cache", _p), ("v_cache", _p), ("window", _i),
+                ("scale", _f), ("softcap", _f)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("num_layers", _i), ("hidden", _i), ("H", _i), ("Hkv", _i), ("D", _i), ("inter", _i),
+                ("block_size", _i), ("bf16_kv", _i), ("layers", ctypes.POINTER(_Layer)), ("eps", _f)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("T", _i), ("path", _i), ("x", _p), ("residual", _p), ("cos", _p), ("sin", _p), ("slots", _p),
+                ("rows", _p), ("tables", _p), ("ctx", _p), ("width", _i), ("max_ctx", _i)]
+
+
+@dataclass
+class LinearWeights:
+    parts: list[tuple[int, torch.Tensor]]  # (GGML type, uint8 [n, row_bytes]) side by side in the output
+    bias: torch.Tensor | None = None
+
+
+@dataclass
+class LayerWeights:
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: LinearWeights
+    o: LinearWeights
+    gate_up: LinearWeights
+    down: LinearWeights
+    k_cache: torch.Tensor  # this layer's [blocks, block_size, Hkv, D], fp32 or bf16
+    v_cache: torch.Tensor
+    window: int | None
+    scale: float
+    softcap: float | None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+
+
+def supported(layers: list[LayerWeights]) -> bool:
+    """Whether the compiled stack can run these layers (every linear a kernel type, fp32
+    norms, an fp32 or bf16 cache)."""
+    if cpu_kernels.library() is None:
+        return False
+    for lw in layers:
+        norms = [lw.in_norm, lw.post_norm] + [t for t in (lw.q_norm, lw.k_norm) if t is not None]
+        if any(t.dtype != torch.float32 or not t.is_contiguous() for t in norms):
+            return False
+        if lw.k_cache.dtype not in (torch.float32, torch.bfloat16) or lw.v_cache.dtype != lw.k_cache.dtype:
+            return False
+        for lin in (lw.qkv, lw.o, lw.gate_up, lw.down):
+            if not 1 <= len(lin.parts) <= _MAX_PARTS or any(not quant.supported(q) for q, _ in lin.parts):
+                return False
+            if lin.bias is not None and (lin.bias.dtype != torch.float32 or not lin.bias.is_contiguous()):
+                return False
+    return True
+
+
+def _linear(lin: LinearWeights) -> _Linear:
+    out = _Linear(nparts=len(lin.parts), bias=lin.bias.data_ptr() if lin.bias is not None else None)
+    for i, (qtype, w) in enumerate(lin.parts):
+        out.part[i] = _Part(qtype, w.data_ptr(), w.shape[0])
+    return out
+
+
+class DecoderStack:
+    """The layers' weights and caches, fixed at construction (the tensors must outlive it)."""
+
+    def __init__(self, layers: list[LayerWeights], hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 intermediate: int, eps: float):
+        self.layers = layers  # keeps every tensor alive
+        self.hidden, self.head_dim = hidden, head_dim
+        table = (_Layer * len(layers))()
+        for i, lw in enumerate(layers):
+            table[i] = _Layer(
+                lw.in_norm.data_ptr(), lw.post_norm.data_ptr(),
+                lw.q_norm.data_ptr() if lw.q_norm is not None else None,
+                lw.k_norm.data_ptr() if lw.k_norm is not None else None,
+                _linear(lw.qkv), _linear(lw.o), _linear(lw.gate_up), _linear(lw.down),
+                lw.k_cache.data_ptr(), lw.v_cache.data_ptr(), lw.window or 0, lw.scale, lw.softcap or 0.0)
+        self._table = table
+        self._model = _Model(len(layers), hidden, num_heads, num_kv_heads, head_dim, intermediate,
+                             layers[0].k_cache.shape[1], int(layers[0].k_cache.dtype == torch.bfloat16),
+                             ctypes.cast(table, ctypes.POINTER(_Layer)), eps)
+        self._model_ref = ctypes.byref(self._model)
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
+            tables: torch.Tensor, ctx: torch.Tensor, max_ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the embeddings [T, hidden] fp32; cos, sin [T, 1, head_dim / 2] fp32; then the
+        CPU attention backend's metadata for T one-row queries. Returns the last layer's
+        output and the residual stream, as the layer modules' loop does."""
+        T = x.shape[0]
+        x = x.contiguous().clone()  # the call writes its output over its input
+        residual = torch.empty_like(x)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        assert x.dtype == cos.dtype == sin.dtype == torch.float32 and x.shape[1] == self.hidden
+        assert cos.numel() == sin.numel() == T * (self.head_dim // 2)
+        for t in (slots, rows, tables, ctx):
+            assert t.dtype == torch.int64 and t.is_contiguous() and t.shape[0] == T
+        step = _Step(T, quant.current_path(), x.data_ptr(), residual.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                     slots.data_ptr(), rows.data_ptr(), tables.data_ptr(), ctx.data_ptr(), tables.shape[1], max_ctx)
+        rc = cpu_kernels.library().decoder_stack(self._model_ref, ctypes.byref(step))
+        if rc == 1:
+            raise ValueError("decoder stack: the layers' projection shapes do not fit the model's dimensions")
+        if rc:
+            raise RuntimeError(f"decoder stack: quant_linear failed ({quant.error_message(rc)})")
+        return x, residual

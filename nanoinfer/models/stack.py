@@ -1,0 +1,62 @@
+"""The Llama module's decoder layers handed to the compiled decoder stack
+(kernels/decoder_stack.py) when everything they hold can run there: every projection in GGUF
+blocks with a kernel, the CPU paged-attention backend (every row a one-row query over the
+cache), fp32 activations. Otherwise the modules run one by one, computing the same bits.
+
+One stack per KV cache: it holds the cache's per-layer tensors."""
+from __future__ import annotations
+
+from torch import nn
+
+from ..attention import CpuPagedAttention
+from ..kernels import decoder_stack
+from ..kernels.decoder_stack import DecoderStack, LayerWeights, LinearWeights
+from ..kernels.quant_linear import QuantLinear
+from .batch import ForwardBatch
+
+
+def _linear(module: nn.Module) -> LinearWeights | None:
+    if not isinstance(module, QuantLinear):
+        return None
+    return LinearWeights([(p.qtype, getattr(module, f"part{i}")) for i, p in enumerate(module.parts)], module.bias)
+
+
+def _build(model: nn.Module, attention: CpuPagedAttention) -> DecoderStack | None:
+    config = model.config
+    layers = []
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if any(lin is None for lin in linears):
+            return None
+        p = attention.params[i]
+        layers.append(LayerWeights(
+            layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(), *linears,
+            attention.cache.k[i], attention.cache.v[i], p.window, p.scale, p.softcap,
+            attn.q_norm.weight.detach() if attn.q_norm is not None else None,
+            attn.k_norm.weight.detach() if attn.k_norm is not None else None))
+    if not decoder_stack.supported(layers):
+        return None
+    return DecoderStack(layers, config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
+                        config.intermediate_size, config.rms_norm_eps)
+
+
+def stack_for(model: nn.Module, batch: ForwardBatch) -> DecoderStack | None:
+    """The compiled stack for this batch's cache, built on first use, or None where the
+    layer modules must run."""
+    attention = batch.attention
+    if not (isinstance(attention, CpuPagedAttention) and model.use_decoder_stack
+            and model.model.norm.weight.device.type == "cpu"):
+        return None
+    cached = model.__dict__.get("_decoder_stack")
+    if cached is None or cached[0] is not attention.cache:
+        cached = (attention.cache, _build(model, attention))
+        model.__dict__["_decoder_stack"] = cached
+    return cached[1]
+
+
+def run(stack: DecoderStack, x, cos, sin, batch: ForwardBatch):
+    meta = batch.attn_metadata
+    assert not meta.prefills  # the CPU backend makes every row a one-row query
+    return stack.run(x, cos, sin, meta.slot_mapping, meta.decode_rows, meta.decode_tables,
+                     meta.decode_ctx.view(-1), meta.decode_max_ctx)

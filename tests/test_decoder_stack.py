@@ -1,0 +1,90 @@
+"""The compiled decoder stack (kernels/decoder_stack.py) against the layer modules it stands in
+for: the same tokens and the same logprob bits, for every Llama-family feature it carries
+(q/k/v bias, q/k norms, a sliding window, grouped-query attention, tied heads), in batches
+with chunked prefill, on each dispatch path."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoinfer import LLM, SamplingParams
+from nanoinfer.kernels import quant
+
+from gguf_export import write_gguf_from_hf
+
+# kind, tied head, weight type: together every branch of the stack
+CASES = [("llama", False, "Q4_1"), ("qwen2", True, "Q8_0"), ("qwen3", False, "Q5_0"), ("mistral", False, "Q4_0")]
+
+
+@pytest.fixture(scope="module")
+def ggufs(make_hf_model, tiny_tokenizer_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("stack_ggufs")
+    return {kind: write_gguf_from_hf(make_hf_model(kind, tie=tie)[0], tiny_tokenizer_dir, folder / f"{kind}.gguf", qtype)
+            for kind, tie, qtype in CASES}
+
+
+def prompts() -> list[dict]:
+    g = torch.Generator().manual_seed(3)
+    return [{"prompt_token_ids": torch.randint(3, 300, (n,), generator=g).tolist()} for n in (3, 19, 40, 7, 26)]
+
+
+def run(llm: LLM, use_stack: bool):
+    model = llm.loaded.model
+    model.use_decoder_stack = use_stack
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=4)
+    outs = llm.generate(prompts(), params)
+    return [(o.outputs[0].token_ids, [{k: v.logprob for k, v in d.items()} for d in o.outputs[0].logprobs])
+            for o in outs]
+
+
+@pytest.mark.parametrize("kind", [c[0] for c in CASES])
+def test_stack_computes_the_layer_modules_bits(ggufs, kind, quant_path):
+    if cpu_stack_unavailable():
+        pytest.skip("no compiled kernels")
+    llm = LLM(ggufs[kind], dtype="auto", max_num_batched_tokens=32)  # prompts split across steps
+    with_stack = run(llm, True)
+    built = llm.loaded.model.__dict__.get("_decoder_stack")
+    assert built is not None and built[1] is not None, "the stack did not run"
+    assert run(llm, False) == with_stack
+
+
+def test_stack_over_an_fp32_cache(ggufs):
+    """kv_cache_dtype="float32" on the block-format path (bf16 is its default): the same bits too."""
+    llm = LLM(ggufs["qwen3"], dtype="auto", kv_cache_dtype="float32", max_num_batched_tokens=32)
+    assert llm.engine.cache.k.dtype == torch.float32
+    assert run(llm, True) == run(llm, False)
+
+
+def test_kv_cache_dtype_rule(ggufs):
+    from nanoinfer.errors import InvalidRequestError
+
+    assert LLM(ggufs["llama"], dtype="auto").engine.cache.k.dtype == torch.bfloat16  # weights in blocks
+    assert LLM(ggufs["llama"], dtype="float32").engine.cache.k.dtype == torch.float32  # the model's dtype
+    assert LLM(ggufs["llama"], dtype="bfloat16").engine.cache.k.dtype == torch.bfloat16
+    with pytest.raises(InvalidRequestError, match="kv_cache_dtype"):
+        LLM(ggufs["llama"], dtype="auto", kv_cache_dtype="fp8")
+
+
+def test_stack_follows_a_new_cache(ggufs):
+    """A second engine on the same model gets a stack over its own cache, not the first's."""
+    if cpu_stack_unavailable():
+        pytest.skip("no compiled kernels")
+    first = LLM(ggufs["llama"], dtype="auto")
+    expected = run(first, True)
+    second = LLM(ggufs["llama"], dtype="auto")
+    second.engine.runner.model = first.loaded.model  # the same module, a fresh pool
+    assert run(second, True) == expected
+    assert first.loaded.model.__dict__["_decoder_stack"][0] is second.engine.cache
+
+
+def test_the_modules_run_where_the_stack_cannot(ggufs):
+    """fp32 weights (no block format) keep the module path."""
+    llm = LLM(ggufs["llama"], dtype="float32")
+    run(llm, True)
+    assert llm.loaded.model.__dict__["_decoder_stack"][1] is None
+
+
+def cpu_stack_unavailable() -> bool:
+    import gguf
+
+    return not quant.supported(int(gguf.GGMLQuantizationType.Q8_0))
