@@ -352,9 +352,8 @@ QG_AVX2 inline float f16_avx2(const uint8_t* p) { return _cvtsh_ss(rd16(p)); }
 
 // 32 nibbles: the low ones of qs[0..15] in bytes 0..15, the high ones in bytes 16..31.
 QG_AVX2 inline __m256i nibbles(const uint8_t* qs) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(b), _mm_srli_epi16(b, 4), 1);
-    return _mm256_and_si256(v, _mm256_set1_epi8(15));
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+    return _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(15));
 }
 
 // Byte j = 0xff where bit j of the little-endian u32 at p is set, else 0.
@@ -389,39 +388,52 @@ QG_AVX2 void tile32_avx2(const Ctx& c, int64_t n, int64_t m0) {
     const int8_t* xq[R];
     const float *xd[R], *xs[R];
     __m256 acc[C][R];
-    float mins[C][R];
+    __m128 mins[C][R];  // lane 0 (a float array here went through general registers, slowly)
     for (int i = 0; i < R; i++) {
         xq[i] = c.q + (m0 + i) * c.K;
         xd[i] = c.d + (m0 + i) * c.nb;
         xs[i] = has_min ? c.s + (m0 + i) * c.nb : nullptr;
         for (int j = 0; j < C; j++) {
             acc[j][i] = _mm256_setzero_ps();
-            mins[j][i] = 0.f;
+            mins[j][i] = _mm_setzero_ps();
         }
     }
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t b = 0; b < c.nb; b++) {
+        __m256i xv[R];  // this block of each x row, its scale and (Q4_1, Q5_1) its sum: loaded once for the C rows
+        __m256 xdb[R];
+        __m128 xsb[R];
+        for (int i = 0; i < R; i++) {
+            xv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[i] + b * 32));
+            xdb[i] = _mm256_broadcast_ss(xd[i] + b);
+            if constexpr (has_min) xsb[i] = _mm_load_ss(xs[i] + b);
+        }
         for (int j = 0; j < C; j++) {
             const uint8_t* blk = w + j * c.rb + b * size;
-            const __m256 dw = _mm256_set1_ps(f16_avx2(blk));
+            __m256 dw;
+            __m128 mw = _mm_setzero_ps();
+            if constexpr (has_min) {  // d and m side by side: one conversion
+                const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(int32_t(rd32(blk))));
+                dw = _mm256_broadcastss_ps(dm);
+                mw = _mm_movehdup_ps(dm);
+            } else {
+                dw = _mm256_set1_ps(f16_avx2(blk));
+            }
             const __m256i wv = load32<T>(blk);
             const __m256i aw = is_signed ? _mm256_sign_epi8(wv, wv) : wv;
-            float mw = 0.f;
-            if constexpr (has_min) mw = f16_avx2(blk + 2);
             for (int i = 0; i < R; i++) {
-                __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[i] + b * 32));
-                if constexpr (is_signed) xv = _mm256_sign_epi8(xv, wv);
-                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones);
-                const __m256 scale = _mm256_mul_ps(dw, _mm256_broadcast_ss(xd[i] + b));
+                const __m256i xs8 = is_signed ? _mm256_sign_epi8(xv[i], wv) : xv[i];
+                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs8), ones);
+                const __m256 scale = _mm256_mul_ps(dw, xdb[i]);
                 acc[j][i] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(p), acc[j][i]);
-                if constexpr (has_min) mins[j][i] = std::fma(mw, xs[i][b], mins[j][i]);
+                if constexpr (has_min) mins[j][i] = _mm_fmadd_ss(mw, xsb[i], mins[j][i]);
             }
         }
     }
     for (int j = 0; j < C; j++)
         for (int i = 0; i < R; i++) {
             float v = hsum8_avx2(acc[j][i]);
-            if constexpr (has_min) v = opaque(v + mins[j][i]);
+            if constexpr (has_min) v = opaque(v + _mm_cvtss_f32(mins[j][i]));
             c.y[(m0 + i) * c.ldy + n + j] = c.bias ? v + c.bias[n + j] : v;
         }
 }
