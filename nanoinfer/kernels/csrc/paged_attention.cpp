@@ -1,7 +1,7 @@
 // Decode attention over a paged KV cache, for the CPU: one query token per sequence,
 // keys and values read straight from their blocks (no gathered copy, no padding). A work
-// item is one query head over one sequence, or over a run of a long one's blocks (merged
-// after).
+// item is one kv head's query heads over one sequence, or over a run of a long one's blocks
+// (merged after).
 //
 // Built at first use by nanoinfer/cpu_kernels.py (c++ -O3 -march=native -fopenmp) and
 // called through ctypes; nanoinfer/attention.py's plain PyTorch path is the reference it
@@ -57,18 +57,18 @@ inline void for_each_row(const T* cache, const int64_t* table, int64_t t0, int64
     }
 }
 
-// One sequence's tokens [t0, t1), query heads [h0, h1) (of one kv head). qf: [H, D] fp32,
-// already scaled. s: [H, t1 - t0] scratch. Out, per head h: m[h] the largest score, l[h] = sum of e^(score - m[h]), and
+// One sequence's tokens [t0, t1), the query heads of kv head hk. qf: [H, D] fp32, already
+// scaled. s: [H, t1 - t0] scratch. Out, per head h: m[h] the largest score, l[h] = sum of e^(score - m[h]), and
 // acc[h * D ...] = sum of e^(score - m[h]) * value (not yet divided by l: the parts of a
 // sequence split over threads are merged first). D_ > 0 fixes the head size at compile time.
 template <typename T, int D_>
 void attend_part(const float* qf, const T* k, const T* v, const int64_t* table, int64_t t0, int64_t t1,
-                 int64_t bs, int64_t Hkv, int64_t h0, int64_t h1, int64_t G, int64_t D, float softcap, float* s,
-                 float* acc, float* m, float* l) {
+                 int64_t bs, int64_t Hkv, int64_t hk, int64_t G, int64_t D, float softcap, float* s, float* acc,
+                 float* m, float* l) {
     if (D_ > 0) D = D_;
-    const int64_t S = t1 - t0, row = Hkv * D, hk = h0 / G;
+    const int64_t S = t1 - t0, row = Hkv * D;
     for_each_row(k, table, t0, t1, bs, row, [&](int64_t i, const T* kp) {  // scores
-        for (int64_t h = h0; h < h1; h++) {
+        for (int64_t h = hk * G; h < (hk + 1) * G; h++) {
             const float* qh = qf + h * D;
             const T* kh = kp + hk * D;
             float a = 0.f;
@@ -76,7 +76,7 @@ void attend_part(const float* qf, const T* k, const T* v, const int64_t* table, 
             s[h * S + i] = a;
         }
     });
-    for (int64_t h = h0; h < h1; h++) {
+    for (int64_t h = hk * G; h < (hk + 1) * G; h++) {
         float* sh = s + h * S;
         float mh = -INFINITY, lh = 0.f;
         if (softcap > 0.f)
@@ -89,7 +89,7 @@ void attend_part(const float* qf, const T* k, const T* v, const int64_t* table, 
         for (int64_t d = 0; d < D; d++) acc[h * D + d] = 0.f;
     }
     for_each_row(v, table, t0, t1, bs, row, [&](int64_t i, const T* vp) {  // weighted values
-        for (int64_t h = h0; h < h1; h++) {
+        for (int64_t h = hk * G; h < (hk + 1) * G; h++) {
             const float p = s[h * S + i];
             const T* vh = vp + hk * D;
             float* ah = acc + h * D;
@@ -128,11 +128,11 @@ __attribute__((noinline)) void paged_decode_team(const TQ* q, const int64_t* row
     const int64_t unit_size = H * (D + 2);  // a part's acc [H, D], m [H], l [H], kept for the merge
     const int64_t total = offset[B];
     float* qf = s + H * max_ctx;
-    // a work item: one unit's query head (each head's sums are the same whichever item
-    // computes them); heads of one kv head read the same keys, from cache after the first
+    // a work item: one unit's heads of one kv head (they share its keys; each head's sums
+    // are the same whichever item computes them)
 #pragma omp for schedule(dynamic)
-    for (int64_t item = 0; item < total * H; item++) {
-        const int64_t u = item / H, h = item % H;
+    for (int64_t item = 0; item < total * Hkv; item++) {
+        const int64_t u = item / Hkv, hk = item % Hkv;
         const int64_t b = std::upper_bound(offset, offset + B + 1, u) - offset - 1;
         const int64_t part = u - offset[b], parts = offset[b + 1] - offset[b];
         const int64_t n = ctx[b], start = window > 0 && n > window ? n - window : 0;
@@ -141,16 +141,16 @@ __attribute__((noinline)) void paged_decode_team(const TQ* q, const int64_t* row
         float* acc = units + u * unit_size;
         float *m = acc + H * D, *l = m + H;
         if (t0 >= t1) {  // more parts than blocks: this one is empty
-            for (int64_t i = h * D; i < (h + 1) * D; i++) acc[i] = 0.f;
-            m[h] = -INFINITY, l[h] = 0.f;
+            for (int64_t i = hk * G * D; i < (hk + 1) * G * D; i++) acc[i] = 0.f;
+            for (int64_t h = hk * G; h < (hk + 1) * G; h++) m[h] = -INFINITY, l[h] = 0.f;
             continue;
         }
         const TQ* qb = q + rows[b] * H * D;
-        for (int64_t i = h * D; i < (h + 1) * D; i++) qf[i] = load(qb, i) * scale;
+        for (int64_t i = hk * G * D; i < (hk + 1) * G * D; i++) qf[i] = load(qb, i) * scale;
         const int64_t* table = tables + b * width;
-        if (D == 64) attend_part<TKV, 64>(qf, k, v, table, t0, t1, bs, Hkv, h, h + 1, G, D, softcap, s, acc, m, l);
-        else if (D == 128) attend_part<TKV, 128>(qf, k, v, table, t0, t1, bs, Hkv, h, h + 1, G, D, softcap, s, acc, m, l);
-        else attend_part<TKV, 0>(qf, k, v, table, t0, t1, bs, Hkv, h, h + 1, G, D, softcap, s, acc, m, l);
+        if (D == 64) attend_part<TKV, 64>(qf, k, v, table, t0, t1, bs, Hkv, hk, G, D, softcap, s, acc, m, l);
+        else if (D == 128) attend_part<TKV, 128>(qf, k, v, table, t0, t1, bs, Hkv, hk, G, D, softcap, s, acc, m, l);
+        else attend_part<TKV, 0>(qf, k, v, table, t0, t1, bs, Hkv, hk, G, D, softcap, s, acc, m, l);
     }
     // merge each sequence's parts: rescale to the largest max, then divide by the total
 #pragma omp for schedule(static)

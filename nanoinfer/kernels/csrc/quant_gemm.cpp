@@ -387,7 +387,7 @@ QG_AVX2 inline __m256i load32(const uint8_t* b) {
 // to int16) cannot saturate: |w| <= 128 and |x| <= 127. (Computing the scales of 8 blocks at
 // once, with the fp16 gathered into one vector, measured 10-15% slower than this.)
 constexpr int PF = 32768;
-template <int T, int R, int C>
+template <int T, int R, int C, bool PF>
 QG_AVX2 void tile32_avx2(const Ctx& c, int64_t n, int64_t m0) {
     constexpr int64_t size = T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : T == Q5_1 ? 24 : 34;
     constexpr bool has_min = T == Q4_1 || T == Q5_1, is_signed = !has_min;
@@ -417,7 +417,7 @@ QG_AVX2 void tile32_avx2(const Ctx& c, int64_t n, int64_t m0) {
         }
         for (int j = 0; j < C; j++) {
             const uint8_t* blk = w + j * c.rb + b * size;
-            if (c.stream) _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch), _MM_HINT_T0);
+            if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch), _MM_HINT_T0);
             __m256 dw;
             __m128 mw = _mm_setzero_ps();
             if constexpr (has_min) {  // d and m side by side: one conversion
@@ -461,7 +461,7 @@ QG_AVX2 inline int32_t hsum_i32x4(__m128i s) {
 
 // K-quants: per 256-block the exact integer sums (scales applied in integers), then one or
 // two fused multiply-adds per output, as dotk_portable.
-template <int T, int R>
+template <int T, int R, bool PF>
 QG_AVX2 void tilek_avx2(const Ctx& c, int64_t n, int64_t m0) {
     constexpr int64_t S = T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
     const uint8_t* w = c.w + n * c.rb;
@@ -478,7 +478,7 @@ QG_AVX2 void tilek_avx2(const Ctx& c, int64_t n, int64_t m0) {
     const __m256i low = _mm256_set1_epi8(15);
     for (int64_t b = 0; b < c.nb; b++) {
         const uint8_t* blk = w + b * S;
-        if (c.stream)  // a K-quant block spans 3-4 cache lines
+        if constexpr (PF)  // a K-quant block spans 3-4 cache lines
             for (int64_t o = 0; o < S; o += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch + o), _MM_HINT_T0);
         __m256i isum[R];
         for (int i = 0; i < R; i++) isum[i] = _mm256_setzero_si256();
@@ -559,7 +559,7 @@ QG_AVX2 inline __m256 load8_16(const uint16_t* p) {
 }
 
 // F16 / BF16: 16 lanes (k mod 16) of fused multiply-adds per output, as dot16_portable.
-template <bool BF, int R>
+template <bool BF, int R, bool PF>
 QG_AVX2 void tile16_avx2(const Ctx& c, int64_t n, int64_t m0) {
     const uint16_t* w = reinterpret_cast<const uint16_t*>(c.w + n * c.rb);
     const int64_t K = c.K;
@@ -571,7 +571,7 @@ QG_AVX2 void tile16_avx2(const Ctx& c, int64_t n, int64_t m0) {
     }
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
-        if (c.stream && k % 32 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k) + kPrefetch, _MM_HINT_T0);
+        if (PF && k % 32 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k) + kPrefetch, _MM_HINT_T0);
         const __m256 w0 = load8_16<BF>(w + k), w1 = load8_16<BF>(w + k + 8);
         for (int i = 0; i < R; i++) {
             a0[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x[i] + k), w0, a0[i]);
@@ -597,34 +597,39 @@ QG_AVX2 void tile16_avx2(const Ctx& c, int64_t n, int64_t m0) {
     }
 }
 
-template <int T, int R>
+template <int T, int R, bool PF>
 QG_AVX2 void tile_avx2(const Ctx& c, int64_t n, int64_t m0) {
-    if constexpr (T == F16 || T == BF16) tile16_avx2<T == BF16, R>(c, n, m0);
-    else if constexpr (T == Q4_K || T == Q5_K || T == Q6_K) tilek_avx2<T, R>(c, n, m0);
-    else tile32_avx2<T, R, 1>(c, n, m0);
+    if constexpr (T == F16 || T == BF16) tile16_avx2<T == BF16, R, PF>(c, n, m0);
+    else if constexpr (T == Q4_K || T == Q5_K || T == Q6_K) tilek_avx2<T, R, PF>(c, n, m0);
+    else tile32_avx2<T, R, 1, PF>(c, n, m0);
 }
 
-template <int T>
+template <int T, bool PF>
 QG_AVX2 void tiles_avx2(const Ctx& c, int64_t n, int64_t m0, int mt) {
     switch (mt) {
-        case 4: tile_avx2<T, 4>(c, n, m0); break;
-        case 3: tile_avx2<T, 3>(c, n, m0); break;
-        case 2: tile_avx2<T, 2>(c, n, m0); break;
-        default: tile_avx2<T, 1>(c, n, m0); break;
+        case 4: tile_avx2<T, 4, PF>(c, n, m0); break;
+        case 3: tile_avx2<T, 3, PF>(c, n, m0); break;
+        case 2: tile_avx2<T, 2, PF>(c, n, m0); break;
+        default: tile_avx2<T, 1, PF>(c, n, m0); break;
     }
 }
 
 // Outputs y[m0 .. m0 + mt - 1, n .. n + cols - 1] (cols 1 to 8). A single row of x takes 4
 // weight rows at once (8 for Q8_0; measured best, streaming a model's weights from memory).
+// Decode sizes prefetch (a template flag: the branch alone slowed the prefill tiles by 25%).
 template <int T>
 QG_AVX2 void rows_avx2(const Ctx& c, int64_t n, int cols, int64_t m0, int mt) {
+    if (!c.stream) {
+        for (int j = 0; j < cols; j++) tiles_avx2<T, false>(c, n + j, m0, mt);
+        return;
+    }
     if constexpr (!(T == F16 || T == BF16 || T == Q4_K || T == Q5_K || T == Q6_K))
         if (mt == 1) {
-            if (T == Q8_0 && cols == 8) return tile32_avx2<T, 1, 8>(c, n, m0);
-            for (; cols >= 4; cols -= 4, n += 4) tile32_avx2<T, 1, 4>(c, n, m0);
-            for (; cols >= 2; cols -= 2, n += 2) tile32_avx2<T, 1, 2>(c, n, m0);
+            if (T == Q8_0 && cols == 8) return tile32_avx2<T, 1, 8, true>(c, n, m0);
+            for (; cols >= 4; cols -= 4, n += 4) tile32_avx2<T, 1, 4, true>(c, n, m0);
+            for (; cols >= 2; cols -= 2, n += 2) tile32_avx2<T, 1, 2, true>(c, n, m0);
         }
-    for (int j = 0; j < cols; j++) tiles_avx2<T>(c, n + j, m0, mt);
+    for (int j = 0; j < cols; j++) tiles_avx2<T, true>(c, n + j, m0, mt);
 }
 
 // AVX2, FMA and F16C on the CPU, and the AVX state enabled by the OS (cpuid and xgetbv
