@@ -37,7 +37,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse frequencies, with the rope scalings that change them ("linear", "llama3")."""
     dim = config.head_dim
     # fp32 throughout, as transformers computes it: parity is bit-level at long positions too.
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "linear":
@@ -140,7 +140,10 @@ class Backbone(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # _weight: no random init (the file's weights replace it; on the meta device torch's
+        # normal_ would import torch._dynamo, a second of every load)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

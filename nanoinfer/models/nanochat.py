@@ -119,7 +119,7 @@ class NanochatGPT(nn.Module):
         padded = int(extra.get("padded_vocab", -(-config.vocab_size // 64) * 64))
         d, n_layer = config.hidden_size, config.num_layers
         self.transformer = nn.ModuleDict({
-            "wte": nn.Embedding(padded, d),
+            "wte": nn.Embedding(padded, d, _weight=torch.empty(padded, d)),  # no init: see llama.Backbone
             "h": nn.ModuleList(Block(config, i) for i in range(n_layer)),
         })
         self.lm_head = nn.Linear(d, padded, bias=False)  # not tied to wte
@@ -136,7 +136,8 @@ class NanochatGPT(nn.Module):
             self.resid_lambdas = self.x0_lambdas = None
         ve_layers = sorted(extra.get("ve_layers", ()))
         kv_dim = config.num_kv_heads * config.head_dim
-        self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(padded, kv_dim) for i in ve_layers}) if ve_layers else None
+        self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(padded, kv_dim, _weight=torch.empty(padded, kv_dim))
+                                           for i in ve_layers}) if ve_layers else None
         if extra.get("smear_channels"):
             self.smear_channels = int(extra["smear_channels"])
             self.smear_gate = nn.Linear(self.smear_channels, 1, bias=False)
