@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test lint browser clean
+.PHONY: setup run test lint browser simde clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,6 +24,13 @@ browser:
 		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 		else echo "chromium missing and not root: the browser test will be skipped"; fi; }
 
+# SIMDe's headers (Debian's libsimde-dev): the tests build the AVX-512 kernels against them to run
+# that path on CPUs without AVX-512.
+simde:
+	@test -f /usr/include/simde/x86/avx512.h || { \
+		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libsimde-dev >/dev/null; \
+		else echo "SIMDe missing and not root: the emulated AVX-512 test will be skipped"; fi; }
+
 run: setup
 	$(VENV)/bin/nanoinfer generate --chat --stats --max-tokens 96 --temperature 0 \
 		"Explain in three sentences what a KV cache does in a language model."
@@ -34,7 +41,7 @@ lint: setup
 	$(VENV)/bin/ruff check nanoinfer tests
 	$(VENV)/bin/lint-imports
 
-test: setup browser lint
+test: setup browser simde lint
 	$(PY) -m pytest -q
 
 clean:

@@ -139,7 +139,7 @@ def default_gguf() -> Path:
     return default_model_path()
 
 
-@pytest.fixture(params=["portable", "avx2"])
+@pytest.fixture(params=["portable", "avx2", "avx512"])
 def quant_path(request):
     """The block-format kernels forced onto one dispatch path (skipped where the CPU lacks it)."""
     from nanoinfer.kernels import quant

@@ -24,6 +24,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -40,6 +41,12 @@ SOURCES = [CSRC / name for name in ("paged_attention.cpp", "packed_gemm.cpp", "l
 HEADERS = [CSRC / "common.h", CSRC / "team.h"]
 # -ffast-math lets the dot products and sums vectorise; infinities stay (the softmax max starts at -inf).
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++17", "-fPIC"]
+
+
+def _flags() -> list[str]:
+    """FLAGS plus $NANOINFER_CXXFLAGS (the tests build with -DQG_EMULATE_AVX512 to run the
+    AVX-512 path through SIMDe on CPUs without it)."""
+    return FLAGS + shlex.split(os.environ.get("NANOINFER_CXXFLAGS", ""))
 # (query dtype, cache dtype) -> entry point; fp32 queries over a bf16 cache: the block-format path
 DECODE_ENTRY_POINTS = {(torch.float32, torch.float32): "paged_decode_f32", (torch.bfloat16, torch.bfloat16): "paged_decode_bf16",
                        (torch.float32, torch.bfloat16): "paged_decode_f32_bf16kv"}
@@ -74,7 +81,7 @@ def _compile(compiler: str, out: Path) -> str | None:
             objects = [str(Path(build) / f"{src.stem}.o") for src in SOURCES]
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
             os.close(fd)
-            steps = [[compiler, *FLAGS, *extra, "-c", str(src), "-o", obj] for src, obj in zip(SOURCES, objects)]
+            steps = [[compiler, *_flags(), *extra, "-c", str(src), "-o", obj] for src, obj in zip(SOURCES, objects)]
             steps.append([compiler, "-shared", *extra, *objects, "-o", tmp])
             for cmd in steps:
                 proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -100,7 +107,7 @@ def library() -> ctypes.CDLL | None:
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
         text = [src.read_text() for src in SOURCES + HEADERS]
-        key = hashlib.sha256("\0".join([*text, *FLAGS, "link-separately", compiler, version, _cpu_id()]).encode())
+        key = hashlib.sha256("\0".join([*text, *_flags(), "link-separately", compiler, version, _cpu_id()]).encode())
         name = f"cpu_kernels-{key.hexdigest()[:16]}.so"
         try:
             path = user_cache_dir() / "kernels" / name

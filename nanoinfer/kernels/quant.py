@@ -5,9 +5,10 @@ for the 32-value formats, q8_K for the K-quants), so each block's dot product is
 integer sum; F16 and BF16 weights meet the fp32 activations as they are.
 
 Each output row depends only on its own input row: the same bits alone or in any batch, and
-the same bits on every path (`paths()`: "avx2" where the CPU has AVX2+FMA+F16C, "portable"
-everywhere). The fastest path runs unless `set_path(name)` or NANOINFER_QUANT_PATH (read at
-import and by `set_path(None)`) names one.
+the same bits on every path (`paths()`: "avx512" where the CPU has AVX-512 F/BW/VL and
+VNNI, "avx2" where it has AVX2+FMA+F16C, "portable" everywhere). The fastest path runs
+unless `set_path(name)` or NANOINFER_QUANT_PATH (read at import and by `set_path(None)`)
+names one.
 
 Error against x @ dequantize(W).T (fp64): the activation rounding, at most half a step
 d_x / 2 per value (d_x = max|x| / 127 over the value's block), times |w|, summed, plus fp32
@@ -28,7 +29,7 @@ T = GGMLQuantizationType
 QUANT_TYPES: tuple[GGMLQuantizationType, ...] = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K,
                                                  T.F16, T.BF16)
 _SIZES = {int(t): GGML_QUANT_SIZES[t] for t in QUANT_TYPES}  # qtype -> (values per block, bytes per block)
-_PATH_CODES = {"portable": 1, "avx2": 2}  # PATH_* in csrc/quant_gemm.cpp; 0 = the fastest available
+_PATH_CODES = {"portable": 1, "avx2": 2, "avx512": 3}  # PATH_* in csrc/quant_gemm.cpp; 0 = the fastest available
 _ERRORS = {-1: "no kernel for this type", -2: "path not available on this CPU", -3: "K is not a multiple of the block",
            -4: "a row index is out of range"}
 
@@ -72,7 +73,7 @@ def paths() -> list[str]:
 
 
 def set_path(name: str | None) -> None:
-    """Run later calls on one path ("portable", "avx2"), or with None on the one that
+    """Run later calls on one path ("portable", "avx2", "avx512"), or with None on the one that
     NANOINFER_QUANT_PATH names (read at import and here), else the fastest."""
     global _path
     if name is not None and name not in _PATH_CODES:

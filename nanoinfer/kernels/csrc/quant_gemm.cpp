@@ -19,18 +19,20 @@
 // each function it inlines into; the sums that matter are fused multiply-adds (which it
 // cannot reassociate) and horizontal sums whose partial results pass through `opaque`.
 //
-// Two paths, chosen at run time: AVX2 (+FMA, F16C; functions compiled with a target
-// attribute, so the file builds anywhere) and portable C++. They compute the same integers
+// Three paths, chosen at run time: AVX-512 (F, BW, VL and VNNI: the 32-value block types;
+// the others run their AVX2 code there), AVX2 (+FMA, F16C) and portable C++; the SIMD ones
+// are functions compiled with a target attribute, so the file builds anywhere. They compute
+// the same integers
 // and the same float operations in the same order, so they agree bit for bit (up to the
 // sign of a zero): per output of a 32-block type, 8 lanes each take one fused multiply-add
 // per block (lane j: d_w * d_x times the integer dot of the block's values 4j..4j+3), then
 // the lanes are summed in a fixed tree (hsum8), then (Q4_1, Q5_1) plus the chain of
 // m_w * s_x over the blocks; per output of a K-quant, one or two fused multiply-adds per
 // 256-block in block order; per output of F16/BF16, 16 lanes (k mod 16) of fused
-// multiply-adds over k, then a fixed tree. Bias last. No AVX-512 path: none could be tested.
+// multiply-adds over k, then a fixed tree. Bias last.
 //
 // Work split: rows of W in chunks of 16 per thread (OpenMP, static), only when the matrix is
-// big enough to pay for the threads. Up to 8 rows of x, each weight row is read once while
+// big enough to pay for the threads (inside the decoder stack's team, always). Up to 8 rows of x, each weight row is read once while
 // every tile of (up to 4) x rows takes it from L1; a single x row takes 4 or 8 weight rows
 // at once. More rows of x: each tile of 4 sweeps a chunk of 16 weight rows kept in cache.
 //
@@ -45,6 +47,10 @@
 #define QG_X86 1
 #include <cpuid.h>
 #include <immintrin.h>
+#if defined(QG_EMULATE_AVX512)  // the AVX-512 path through SIMDe's portable intrinsics (tests)
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+#endif
 #endif
 
 #include "team.h"
@@ -52,7 +58,7 @@
 namespace {
 
 enum : int { F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30 };
-enum : int { PATH_BEST = 0, PATH_PORTABLE = 1, PATH_AVX2 = 2 };
+enum : int { PATH_BEST = 0, PATH_PORTABLE = 1, PATH_AVX2 = 2, PATH_AVX512 = 3 };
 
 constexpr int64_t QK = 256;      // values per K-quant block
 constexpr int64_t NCHUNK = 16;   // weight rows per unit of work (a thread's share is whole chunks)
@@ -386,7 +392,6 @@ QG_AVX2 inline __m256i load32(const uint8_t* b) {
 // chains of fused multiply-adds (one chain waits on the FMA latency). maddubs (u8 x s8 pairs
 // to int16) cannot saturate: |w| <= 128 and |x| <= 127. (Computing the scales of 8 blocks at
 // once, with the fp16 gathered into one vector, measured 10-15% slower than this.)
-constexpr int PF = 32768;
 template <int T, int R, int C, bool PF>
 QG_AVX2 void tile32_avx2(const Ctx& c, int64_t n, int64_t m0) {
     constexpr int64_t size = T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : T == Q5_1 ? 24 : 34;
@@ -632,6 +637,179 @@ QG_AVX2 void rows_avx2(const Ctx& c, int64_t n, int cols, int64_t m0, int mt) {
     for (int j = 0; j < cols; j++) tiles_avx2<T, true>(c, n + j, m0, mt);
 }
 
+bool have_avx2();
+
+// ---- AVX-512 path (AVX-512 F/BW/VL and VNNI) -----------------------------------------------
+// The 32-value block types with vpdpbusd (u8 x s8, four products summed into an int32, no
+// saturation), two blocks per 512-bit vector; the K-quants, F16 and BF16 run their AVX2 tiles.
+// The integers are the AVX2 path's: a weight is made unsigned by a bias (u = w + 8 for Q4_0, 16
+// for Q5_0, 128 for Q8_0; Q4_1 and Q5_1 are unsigned already) and bias * (sum of x over the
+// four) is taken off, so each lane's integer is the same sum of w * x; the float operations
+// are the AVX2 path's one by one, in the same order. So the paths agree bit for bit.
+//
+// Built with -DQG_EMULATE_AVX512 (and SIMDe's headers) the same code runs on any x86 CPU
+// through SIMDe's portable intrinsics: how the tests check it on CPUs without AVX-512.
+#if defined(QG_EMULATE_AVX512)
+#define QG_AVX512 QG_AVX2
+#else
+#define QG_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+#endif
+
+template <int T>
+constexpr int kBiasShift = T == Q4_0 ? 3 : T == Q5_0 ? 4 : T == Q8_0 ? 7 : -1;  // log2 of the bias; -1: none
+
+// A 32-block's values as unsigned bytes w + bias, in element order.
+template <int T>
+QG_AVX512 inline __m256i load32u(const uint8_t* b) {
+    if constexpr (T == Q8_0)
+        return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)), _mm256_set1_epi8(char(0x80)));
+    if constexpr (T == Q4_0) return nibbles(b + 2);
+    if constexpr (T == Q4_1) return nibbles(b + 4);
+    if constexpr (T == Q5_0) return _mm256_or_si256(nibbles(b + 6), _mm256_and_si256(bit_bytes(b + 2), _mm256_set1_epi8(16)));
+    if constexpr (T == Q5_1) return _mm256_or_si256(nibbles(b + 8), _mm256_and_si256(bit_bytes(b + 4), _mm256_set1_epi8(16)));
+}
+
+// A block's scale d (broadcast) and, for Q4_1 and Q5_1, its min m in lane 0: as tile32_avx2.
+template <int T>
+QG_AVX512 inline void block_scales(const uint8_t* blk, __m256& dw, __m128& mw) {
+    if constexpr (T == Q4_1 || T == Q5_1) {
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(int32_t(rd32(blk))));
+        dw = _mm256_broadcastss_ps(dm);
+        mw = _mm_movehdup_ps(dm);
+    } else {
+        dw = _mm256_set1_ps(f16_avx2(blk));
+        mw = _mm_setzero_ps();
+    }
+}
+
+// tile32_avx2's outputs and arithmetic; blocks b and b + 1 share one vpdpbusd per x row.
+template <int T, int R, int C, bool PF>
+QG_AVX512 void tile32_avx512(const Ctx& c, int64_t n, int64_t m0) {
+    constexpr int64_t size = T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : T == Q5_1 ? 24 : 34;
+    constexpr bool has_min = T == Q4_1 || T == Q5_1;
+    constexpr int shift = kBiasShift<T>;
+    const uint8_t* w = c.w + n * c.rb;
+    const int8_t* xq[R];
+    const float *xd[R], *xs[R];
+    __m256 acc[C][R];
+    __m128 mins[C][R];
+    for (int i = 0; i < R; i++) {
+        xq[i] = c.q + (m0 + i) * c.K;
+        xd[i] = c.d + (m0 + i) * c.nb;
+        xs[i] = has_min ? c.s + (m0 + i) * c.nb : nullptr;
+        for (int j = 0; j < C; j++) {
+            acc[j][i] = _mm256_setzero_ps();
+            mins[j][i] = _mm_setzero_ps();
+        }
+    }
+    // One block's contribution to output (j, i) from its exact integers p, as tile32_avx2 adds it.
+    auto add = [&](int j, int i, __m256 dw, __m128 mw, __m256 xdb, __m128 xsb, __m256i p) QG_AVX512 {
+        acc[j][i] = _mm256_fmadd_ps(_mm256_mul_ps(dw, xdb), _mm256_cvtepi32_ps(p), acc[j][i]);
+        if constexpr (has_min) mins[j][i] = _mm_fmadd_ss(mw, xsb, mins[j][i]);
+    };
+    const __m512i ones8 = _mm512_set1_epi8(1);
+    int64_t b = 0;
+    for (; b + 2 <= c.nb; b += 2) {
+        __m512i xv[R], xoff[R];  // two blocks of each x row, and bias * (its sums of four)
+        for (int i = 0; i < R; i++) {
+            xv[i] = _mm512_loadu_si512(xq[i] + b * 32);
+            if constexpr (shift >= 0) xoff[i] = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones8, xv[i]), shift);
+        }
+        for (int j = 0; j < C; j++) {
+            const uint8_t* blk = w + j * c.rb + b * size;
+            if constexpr (PF) {
+                _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch), _MM_HINT_T0);
+                _mm_prefetch(reinterpret_cast<const char*>(blk + size + kPrefetch), _MM_HINT_T0);
+            }
+            __m256 dw0, dw1;
+            __m128 mw0, mw1;
+            block_scales<T>(blk, dw0, mw0);
+            block_scales<T>(blk + size, dw1, mw1);
+            const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(load32u<T>(blk)), load32u<T>(blk + size), 1);
+            for (int i = 0; i < R; i++) {
+                __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, xv[i]);
+                if constexpr (shift >= 0) p = _mm512_sub_epi32(p, xoff[i]);
+                const __m128 xs0 = has_min ? _mm_load_ss(xs[i] + b) : _mm_setzero_ps();
+                const __m128 xs1 = has_min ? _mm_load_ss(xs[i] + b + 1) : _mm_setzero_ps();
+                add(j, i, dw0, mw0, _mm256_broadcast_ss(xd[i] + b), xs0, _mm512_castsi512_si256(p));
+                add(j, i, dw1, mw1, _mm256_broadcast_ss(xd[i] + b + 1), xs1, _mm512_extracti64x4_epi64(p, 1));
+            }
+        }
+    }
+    if (b < c.nb) {  // an odd last block: the same integers, 256 bits wide
+        const __m256i ones8h = _mm256_set1_epi8(1);
+        for (int j = 0; j < C; j++) {
+            const uint8_t* blk = w + j * c.rb + b * size;
+            __m256 dw;
+            __m128 mw;
+            block_scales<T>(blk, dw, mw);
+            const __m256i u = load32u<T>(blk);
+            for (int i = 0; i < R; i++) {
+                const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[i] + b * 32));
+                __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
+                if constexpr (shift >= 0)
+                    p = _mm256_sub_epi32(p, _mm256_slli_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), ones8h, x), shift));
+                add(j, i, dw, mw, _mm256_broadcast_ss(xd[i] + b), has_min ? _mm_load_ss(xs[i] + b) : _mm_setzero_ps(), p);
+            }
+        }
+    }
+    for (int j = 0; j < C; j++)
+        for (int i = 0; i < R; i++) {
+            float v = hsum8_avx2(acc[j][i]);
+            if constexpr (has_min) v = opaque(v + _mm_cvtss_f32(mins[j][i]));
+            c.y[(m0 + i) * c.ldy + n + j] = c.bias ? v + c.bias[n + j] : v;
+        }
+}
+
+template <int T, bool PF>
+QG_AVX512 void tiles32_avx512(const Ctx& c, int64_t n, int64_t m0, int mt) {
+    switch (mt) {
+        case 4: tile32_avx512<T, 4, 1, PF>(c, n, m0); break;
+        case 3: tile32_avx512<T, 3, 1, PF>(c, n, m0); break;
+        case 2: tile32_avx512<T, 2, 1, PF>(c, n, m0); break;
+        default: tile32_avx512<T, 1, 1, PF>(c, n, m0); break;
+    }
+}
+
+// rows_avx2's work split, with the 32-block tiles above; other types run rows_avx2.
+template <int T>
+QG_AVX512 void rows_avx512(const Ctx& c, int64_t n, int cols, int64_t m0, int mt) {
+    if constexpr (T == F16 || T == BF16 || T == Q4_K || T == Q5_K || T == Q6_K) {
+        rows_avx2<T>(c, n, cols, m0, mt);
+    } else {
+        if (!c.stream) {
+            for (int j = 0; j < cols; j++) tiles32_avx512<T, false>(c, n + j, m0, mt);
+            return;
+        }
+        if (mt == 1) {
+            if (T == Q8_0 && cols == 8) return tile32_avx512<T, 1, 8, true>(c, n, m0);
+            for (; cols >= 4; cols -= 4, n += 4) tile32_avx512<T, 1, 4, true>(c, n, m0);
+            for (; cols >= 2; cols -= 2, n += 2) tile32_avx512<T, 1, 2, true>(c, n, m0);
+        }
+        for (int j = 0; j < cols; j++) tiles32_avx512<T, true>(c, n + j, m0, mt);
+    }
+}
+
+// AVX-512 F, BW, VL and VNNI on the CPU, and the OS saving their registers (XCR0: SSE, AVX,
+// opmask, upper ZMM halves, ZMM16-31).
+bool have_avx512() {
+#if defined(QG_EMULATE_AVX512)
+    return true;
+#else
+    static const bool ok = [] {
+        unsigned a, b, c, d;
+        if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & bit_OSXSAVE)) return false;
+        unsigned lo, hi;
+        asm volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+        if ((lo & 0xe6) != 0xe6) return false;
+        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+        const unsigned f = 1u << 16, bw = 1u << 30, vl = 1u << 31, vnni = 1u << 11;
+        return (b & f) && (b & bw) && (b & vl) && (c & vnni);
+    }();
+    return ok && have_avx2();
+#endif
+}
+
 // AVX2, FMA and F16C on the CPU, and the AVX state enabled by the OS (cpuid and xgetbv
 // directly: compilers differ in the feature names __builtin_cpu_supports accepts).
 bool have_avx2() {
@@ -650,6 +828,7 @@ bool have_avx2() {
 }
 #else
 bool have_avx2() { return false; }
+bool have_avx512() { return false; }
 #endif
 
 // ---- dispatch ---------------------------------------------------------------------------
@@ -675,6 +854,7 @@ RowsFn pick(int t) {
 template <int T> struct PickPortable { static constexpr RowsFn fn = rows_portable<T>; };
 #if defined(QG_X86)
 template <int T> struct PickAvx2 { static constexpr RowsFn fn = rows_avx2<T>; };
+template <int T> struct PickAvx512 { static constexpr RowsFn fn = rows_avx512<T>; };
 #endif
 
 // The weight rows in chunks of NCHUNK, split among the threads (each output is computed by
@@ -732,12 +912,13 @@ __attribute__((noinline)) int quant_linear_team(int qtype, int path, const float
     if (bytes_of(qtype) == 0) return -1;
     const int64_t B = block_of(qtype);
     if (K <= 0 || K % B != 0) return -3;
-    if (path == PATH_BEST) path = have_avx2() ? PATH_AVX2 : PATH_PORTABLE;
-    if (path == PATH_AVX2 && !have_avx2()) return -2;
-    if (path != PATH_AVX2 && path != PATH_PORTABLE) return -2;
+    if (path == PATH_BEST) path = have_avx512() ? PATH_AVX512 : have_avx2() ? PATH_AVX2 : PATH_PORTABLE;
+    if ((path == PATH_AVX2 && !have_avx2()) || (path == PATH_AVX512 && !have_avx512())) return -2;
+    if (path != PATH_AVX512 && path != PATH_AVX2 && path != PATH_PORTABLE) return -2;
     RowsFn fn = pick<PickPortable>(qtype);
 #if defined(QG_X86)
     if (path == PATH_AVX2) fn = pick<PickAvx2>(qtype);
+    if (path == PATH_AVX512) fn = pick<PickAvx512>(qtype);
 #endif
     if (M <= 0 || N <= 0) return 0;
 
@@ -764,8 +945,10 @@ __attribute__((noinline)) int quant_linear_team(int qtype, int path, const float
 
 }  // namespace nanoinfer
 
-// Bit p set when path p (PATH_PORTABLE, PATH_AVX2) runs on this CPU.
-extern "C" int quant_paths() { return (1 << PATH_PORTABLE) | (have_avx2() ? 1 << PATH_AVX2 : 0); }
+// Bit p set when path p (PATH_PORTABLE, PATH_AVX2, PATH_AVX512) runs on this CPU.
+extern "C" int quant_paths() {
+    return (1 << PATH_PORTABLE) | (have_avx2() ? 1 << PATH_AVX2 : 0) | (have_avx512() ? 1 << PATH_AVX512 : 0);
+}
 
 // The arguments of quant_linear, as one array of int64 (one ctypes argument converts faster
 // than nine): qtype, path (PATH_*), x, w, bias (or 0), y, M, K, N.
