@@ -156,6 +156,7 @@ def write_gguf_from_hf(
     name: str | None = None,
     tokenizer_pre: str | None = None,
     vocab_only: bool = False,
+    raw_tensors: dict[str, tuple[np.ndarray, int]] | None = None,
 ) -> Path:
     """Write `model` (a transformers *ForCausalLM) to `path` as GGUF; returns the path.
 
@@ -163,6 +164,8 @@ def write_gguf_from_hf(
     tokenizer: a folder with tokenizer.json, a transformers tokenizer, or None for no vocab.
     name: general.name (default: the model type; "mistral" in it marks a Mistral model).
     vocab_only: metadata without tensors, like llama.cpp's --vocab-only.
+    raw_tensors: GGUF tensor name -> (uint8 blocks [rows, row_bytes], GGML type) written as
+    given in place of the model's tensor (types gguf-py cannot quantise, such as K-quants).
     """
     cfg = model.config
     if cfg.model_type not in _ARCHS:
@@ -217,7 +220,11 @@ def write_gguf_from_hf(
             w = permute_qk(w, n_heads)
         elif arch == "llama" and ".attn_k." in gguf_name:
             w = permute_qk(w, n_kv)
-        data, dtype = _encode(w, qtype)
+        if raw_tensors and gguf_name in raw_tensors:
+            data, dtype = raw_tensors[gguf_name]
+            dtype = gguf.GGMLQuantizationType(dtype)
+        else:
+            data, dtype = _encode(w, qtype)
         writer.add_tensor(gguf_name, data, raw_dtype=dtype if data.dtype == np.uint8 else None)
 
     if tokenizer is not None:

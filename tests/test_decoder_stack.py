@@ -4,6 +4,9 @@ for: the same tokens and the same logprob bits, for every Llama-family feature i
 with chunked prefill, on each dispatch path."""
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 import torch
 
@@ -45,6 +48,60 @@ def test_stack_computes_the_layer_modules_bits(ggufs, kind, quant_path):
     with_stack = run(llm, True)
     built = llm.loaded.model.__dict__.get("_decoder_stack")
     assert built is not None and built[1] is not None, "the stack did not run"
+    assert run(llm, False) == with_stack
+
+
+def k_quant_blocks(qtype: int, rows: int, K: int, seed: int) -> np.ndarray:
+    """Random K-quant rows (gguf-py cannot quantise to them) with small scales, so that a
+    model built from them keeps finite activations."""
+    import gguf
+
+    bs, ts = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, size=(rows, K // bs, ts), dtype=np.uint8)
+    d = np.array([0.004], dtype=np.float16).view(np.uint8)
+    if qtype == gguf.GGMLQuantizationType.Q6_K:
+        b[:, :, 192:208] = rng.integers(-4, 5, size=(rows, K // bs, 16)).astype(np.int8).view(np.uint8)
+        b[:, :, 208:210] = d
+    else:  # Q4_K, Q5_K: d, dmin, then 12 bytes of 6-bit scales and mins (kept below 4)
+        b[:, :, 0:2] = d
+        b[:, :, 2:4] = d
+        b[:, :, 4:16] &= 3
+    return b.reshape(rows, -1)
+
+
+def test_stack_with_mixed_k_quants_in_one_projection(make_hf_model, tiny_tokenizer_dir, tmp_path):
+    """A Q4_K_M file's layout: q and k in Q4_K, v in Q6_K inside the fused q/k/v projection,
+    gate/up in Q5_K and Q4_K, down in Q6_K. The formats quantise the activations differently
+    (Q6_K's sums run per 16 values, Q4_K's per 32), so one part's quantised activations must
+    not serve another: the stack gives the modules' bits."""
+    import gguf
+    import transformers as tf
+    from transformers import AutoTokenizer
+
+    if cpu_stack_unavailable():
+        pytest.skip("no compiled kernels")
+    T = gguf.GGMLQuantizationType
+    vocab = len(AutoTokenizer.from_pretrained(tiny_tokenizer_dir))
+    cfg = tf.LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(cfg).eval()
+    types = {"attn_q": (T.Q4_K, 256), "attn_k": (T.Q4_K, 128), "attn_v": (T.Q6_K, 128), "attn_output": (T.Q5_K, 256),
+             "ffn_gate": (T.Q5_K, 512), "ffn_up": (T.Q4_K, 512), "ffn_down": (T.Q6_K, 256)}
+    raw = {}
+    for layer in range(2):
+        for i, (name, (qtype, rows)) in enumerate(types.items()):
+            K = 512 if name == "ffn_down" else 256
+            raw[f"blk.{layer}.{name}.weight"] = (k_quant_blocks(qtype, rows, K, 10 * layer + i), qtype)
+    path = write_gguf_from_hf(model, tiny_tokenizer_dir, tmp_path / "mixed.gguf", "Q8_0", raw_tensors=raw)
+    llm = LLM(path, dtype="auto", max_num_batched_tokens=32)
+    formats = llm.loaded.info["tensor_formats"]
+    assert formats["Q4_K"] == 6 and formats["Q6_K"] == 4 and formats["Q5_K"] == 4
+    with_stack = run(llm, True)
+    assert llm.loaded.model.__dict__["_decoder_stack"][1] is not None
+    assert all(math.isfinite(lp) for _, lps in with_stack for d in lps for lp in d.values())
     assert run(llm, False) == with_stack
 
 

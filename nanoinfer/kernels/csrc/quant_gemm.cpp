@@ -900,9 +900,19 @@ namespace nanoinfer {
 
 int64_t quant_acts_bytes(int qtype, int64_t M, int64_t K) { return Acts(qtype, M, K).words() * 8; }
 
-bool same_acts(int a, int b) {
-    return block_of(a) == block_of(b) && (a == Q4_1 || a == Q5_1) == (b == Q4_1 || b == Q5_1);
+// The activation format a weight type takes: q8_0, q8_1 (with d * sum), q8_K with sums per 32
+// (Q4_K, Q5_K) or per 16 (Q6_K), or none (F16, BF16).
+int acts_format(int t) {
+    switch (t) {
+        case Q4_0: case Q5_0: case Q8_0: return 1;
+        case Q4_1: case Q5_1: return 2;
+        case Q4_K: case Q5_K: return 3;
+        case Q6_K: return 4;
+        default: return 0;
+    }
 }
+
+bool same_acts(int a, int b) { return acts_format(a) == acts_format(b); }
 
 // Returns 0, or -1: no kernel for qtype, -2: path unavailable, -3: K not a multiple of the block.
 // Every thread of a team returns the same: the checks depend on the arguments only.
