@@ -23,6 +23,7 @@ from ..errors import InvalidRequestError, RequestFailedError
 from ..kernels.quant_linear import has_block_weights
 from ..models.builder import LoadedModel
 from ..sampling import RowSampler, SamplingParams
+from ..structured import StructuredOutputs
 from ..tokenizer import IncrementalDetokenizer, StopMatcher
 from ..tools.tool_use import ToolUseState, bind_tools
 from .runner import ModelRunner
@@ -107,6 +108,7 @@ class LLMEngine:
                                                    config.block_size, config.enable_prefix_caching))
         self.runner = ModelRunner(self.model, mc, self.cache)
         self.tools = bind_tools(self.tokenizer) if config.enable_tools else []
+        self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size)
         self.requests: dict[str, list[Sequence]] = {}
         self.failures: dict[str, RequestFailedError] = {}  # requests ended by an internal error, until taken
         self.last_step_tokens = 0
@@ -138,6 +140,8 @@ class LLMEngine:
         if params.min_tokens and len(set(self.tokenizer.eos_token_ids) | set(params.stop_token_ids)) >= vocab:
             raise InvalidRequestError("stop_token_ids with min_tokens leave no token to generate",
                                       param="stop_token_ids")
+        if params.structured_outputs is not None:  # compiled once and cached: add_request finds it
+            self.structured.compile(params.structured_outputs)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     prompt: str | None = None) -> None:
@@ -155,6 +159,7 @@ class LLMEngine:
                 IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens),
                 StopMatcher(params.stop), self.tokenizer.eos_token_ids, self.max_model_len,
                 ToolUseState(self.tools, self.tokenizer) if self.tools else None,
+                self.structured.matcher(params.structured_outputs) if params.structured_outputs else None,
             ))
         # n samples share one prefill: only the first is scheduled; the others fork from it.
         seqs[0].forks = seqs[1:]
@@ -207,6 +212,13 @@ class LLMEngine:
         self.scheduler.update_after_forward(batch)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.stats.forwards.append(ForwardStat(seq.num_computed, n, seconds))
+        # Constrained rows: what their grammars disallow is -inf before anything samples (forks
+        # sample their first token from their parent's row, in the same grammar state).
+        constrained = [(row, batch.seqs[i].grammar) for row, i in enumerate(samplers) if batch.seqs[i].grammar]
+        if constrained:
+            for row in self.structured.apply_masks(logits, constrained):
+                self._fail(batch.seqs[samplers[row]].request_id,
+                           RuntimeError("the structured-output constraint allows no next token"))
         # One reduction for every plain greedy row, in numpy: torch's CPU argmax over a 49k
         # vocabulary takes ~65 us a row, numpy's ~7 (both: the first maximum, a NaN first).
         argmax = (logits.numpy().argmax(-1).tolist() if any(batch.seqs[i].sampler.takes_argmax for i in samplers)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from ..sampling import Logprob, RowSampler, SamplingParams
+from ..structured import Matcher
 from ..tokenizer import IncrementalDetokenizer, StopMatcher
 from ..tools.tool_use import ToolUseState
 
@@ -16,6 +17,7 @@ class FinishCause(str, Enum):
     STOP_STRING = "stop_string"
     MAX_TOKENS = "max_tokens"
     CONTEXT_FULL = "context_full"
+    GRAMMAR = "grammar"  # a structured-output constraint is complete: nothing more may follow
     ABORT = "abort"
 
     @property
@@ -129,6 +131,7 @@ class Sequence:
     eos_ids: frozenset[int]
     max_model_len: int
     tool_use: ToolUseState | None = None
+    grammar: Matcher | None = None  # its structured-output constraint, advanced token by token
     output_ids: list[int] = field(default_factory=list)
     output_mask: list[int] = field(default_factory=list)
     text: str = ""
@@ -193,6 +196,8 @@ class Sequence:
         """Append one output token; return its new text; set finish_cause if it ends the sequence."""
         self.output_ids.append(token)
         self.output_mask.append(mask)
+        if self.grammar is not None and not self.grammar.accept(token):
+            raise RuntimeError(f"token {token} breaks the request's structured-output constraint")
         p = self.params
         text = ""
         if mask and token in self.eos_ids and not p.ignore_eos:
@@ -203,6 +208,8 @@ class Sequence:
             text, stopped = self.stop_matcher.feed(self.detok.add(token))
             if stopped:
                 self.finish_cause, self.stop_reason = FinishCause.STOP_STRING, self.stop_matcher.matched
+        if self.finish_cause is None and self.grammar is not None and self.grammar.is_terminated():
+            self.finish_cause = FinishCause.GRAMMAR
         if self.finish_cause is None:
             if p.max_tokens is not None and len(self.output_ids) >= p.max_tokens:
                 self.finish_cause = FinishCause.MAX_TOKENS

@@ -1,6 +1,7 @@
 """Sampling parameters: vLLM's names and meanings, checked once, here."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from ..errors import InvalidRequestError
@@ -8,11 +9,84 @@ from ..errors import InvalidRequestError
 MAX_STOP_STRINGS = 64  # a stop string is matched on every token: bounded, so one request cannot slow all
 MAX_STOP_LENGTH = 256  # characters per stop string
 MAX_STOP_TOKEN_IDS = 1024
+MAX_CONSTRAINT_CHARS = 1 << 20  # a schema, regex or grammar: compiled per request, so bounded
+MAX_CHOICES = 1024
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what a torch.Generator takes
 
 
 def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output, vLLM's `StructuredOutputsParams`: exactly one of `json` (a JSON
+    schema, as a dict or its text), `json_object` (any JSON object), `regex` (the whole output
+    matches it), `choice` (the output is one of these strings) or `grammar` (Lark, or GBNF as
+    llama.cpp writes it). JSON is compact by default (`disable_any_whitespace`, vLLM's flag,
+    on here): a small model cannot then spend its token budget on runs of blank lines."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = True
+    # An object schema that does not say `additionalProperties` allows none (xgrammar's strict
+    # mode, vLLM's default backend; OpenAI's strict schemas say it outright): otherwise a small
+    # model invents extra keys and runs out of tokens inside them.
+    disable_additional_properties: bool = True
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidRequestError(f"structured_outputs needs exactly one of json, json_object, regex, choice, "
+                                      f"grammar (got {', '.join(given) or 'none'})", param="structured_outputs")
+        kind = given[0]
+        value = getattr(self, kind)
+        param = f"structured_outputs.{kind}"
+        if kind == "json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as e:
+                    raise InvalidRequestError(f"the JSON schema is not valid JSON: {e}", param=param) from None
+            if not isinstance(value, (dict, bool)):
+                raise InvalidRequestError("the JSON schema must be an object", param=param)
+            text = json.dumps(value, sort_keys=True)
+            self.json = value
+        elif kind == "json_object":
+            if value is not True:
+                raise InvalidRequestError("json_object must be true", param=param)
+            text = ""
+        elif kind == "choice":
+            if not (isinstance(value, (list, tuple)) and 0 < len(value) <= MAX_CHOICES
+                    and all(isinstance(c, str) and c for c in value)):
+                raise InvalidRequestError(f"choice must be a list of 1 to {MAX_CHOICES} non-empty strings", param=param)
+            self.choice = list(value)
+            text = json.dumps(self.choice)
+        else:
+            if not isinstance(value, str) or not value:
+                raise InvalidRequestError(f"{kind} must be a non-empty string", param=param)
+            text = value
+        if len(text) > MAX_CONSTRAINT_CHARS:
+            raise InvalidRequestError(f"the {kind} constraint is longer than {MAX_CONSTRAINT_CHARS} characters",
+                                      param=param)
+        for flag in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, flag), bool):
+                raise InvalidRequestError(f"{flag} must be true or false", param=f"structured_outputs.{flag}")
+        self._kind, self._text = kind, text
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: "json", "json_object", "regex", "choice" or "grammar"."""
+        return self._kind
+
+    @property
+    def key(self) -> str:
+        """What identifies the compiled grammar (the cache key)."""
+        return f"{self._kind}:{int(self.disable_any_whitespace)}{int(self.disable_additional_properties)}:{self._text}"
 
 
 @dataclass
@@ -33,6 +107,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N alternatives per sampled token (OpenAI semantics)
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # a dict is taken as its fields
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,6 +121,14 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise InvalidRequestError(f"structured_outputs: {e}", param="structured_outputs") from None
+        if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
+            raise InvalidRequestError("structured_outputs must be a StructuredOutputsParams or a dict of its fields",
+                                      param="structured_outputs")
         num = lambda name, lo, hi: _number(getattr(self, name)) and lo <= getattr(self, name) <= hi  # noqa: E731
         checks = [
             ("n", isinstance(self.n, int) and self.n >= 1, "must be an integer >= 1"),

@@ -59,6 +59,12 @@ class SamplingFields(Strict):
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    # structured outputs, vLLM's request extras (server/constraints.py)
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Any = None  # accepted and ignored

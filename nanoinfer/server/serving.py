@@ -19,10 +19,21 @@ from dataclasses import dataclass
 from ..engine.async_engine import AsyncEngine
 from ..engine.sequence import RequestOutput, StreamDelta
 from ..errors import InvalidRequestError, RequestFailedError
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, StructuredOutputsParams
+from .constraints import request_constraint
 from .outputs import CompletionLogprobs, TokenText, chat_logprobs, sse, usage
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, message_dicts
 from .tool_calls import ToolCallParser, parse_tool_calls
+
+
+def _field_of(req: SamplingFields, param: str | None) -> str:
+    """A compile error's field as the request named the constraint."""
+    for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        if getattr(req, name, None) is not None:
+            return name if name != "structured_outputs" else (param or name)
+    if getattr(req, "response_format", None) is not None and req.response_format.type != "text":
+        return "response_format.json_schema.schema" if req.response_format.type == "json_schema" else "response_format"
+    return "tool_choice" if getattr(req, "tool_choice", None) not in (None, "none", "auto") else (param or "structured_outputs")
 
 logger = logging.getLogger("nanoinfer.server")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default; chat's default is "until the context is full"
@@ -72,7 +83,8 @@ class Serving:
 
     def sampling_params(self, req: SamplingFields, *, max_tokens: int | None, max_tokens_param: str,
                         logprobs: int | None, logprobs_param: str,
-                        default_max_tokens: int | None = None) -> SamplingParams:
+                        default_max_tokens: int | None = None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """`max_tokens` as the request gave it (None: absent); the default is clamped to the limit."""
         cfg = self.config
         if req.n > cfg.max_n:
@@ -92,6 +104,7 @@ class Serving:
                 repetition_penalty=opt(req.repetition_penalty, 1.0), seed=req.seed, max_tokens=max_tokens,
                 min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
                 ignore_eos=req.ignore_eos, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+                structured_outputs=structured_outputs,
             )
         except InvalidRequestError as e:
             # SamplingParams' field names -> this request's: "max_tokens=0 ..." -> "max_completion_tokens=0 ..."
@@ -101,6 +114,17 @@ class Serving:
             if name and param != name and message.startswith(name):
                 message = param + message[len(name):]
             raise APIError(message, param) from None
+
+    async def constraint(self, req: SamplingFields, tools: list[dict] | None = None) -> StructuredOutputsParams | None:
+        """The request's structured-output constraint, compiled here in a worker thread (cached
+        by its text), so that the engine loop never waits on a compile."""
+        spec = request_constraint(req, self.tokenizer, tools)
+        if spec is not None:
+            try:
+                await asyncio.to_thread(self.engine.engine.structured.compile, spec)
+            except InvalidRequestError as e:
+                raise APIError(str(e), _field_of(req, e.param)) from None
+        return spec
 
     async def encode(self, fn, *args, **kwargs) -> list[int]:
         text_len = sum(len(a) for a in args if isinstance(a, str))
@@ -175,7 +199,7 @@ class Serving:
         prompts = await self.completion_prompts(req.prompt, req.parse_special)
         params = self.sampling_params(req, max_tokens=req.max_tokens, max_tokens_param="max_tokens",
                                       default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs=req.logprobs,
-                                      logprobs_param="logprobs")
+                                      logprobs_param="logprobs", structured_outputs=await self.constraint(req))
         if req.echo:
             for p in prompts:
                 if p.text is None:
@@ -264,9 +288,6 @@ class Serving:
     # --- /v1/chat/completions ---------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, request):
         self.check_model(req.model)
-        if req.response_format is not None and req.response_format.type != "text":
-            raise APIError(f"response_format type {req.response_format.type!r} is not supported (only 'text')",
-                           "response_format")
         if not req.messages:
             raise APIError("messages must be a non-empty list", "messages")
         messages = message_dicts(req.messages)
@@ -287,7 +308,8 @@ class Serving:
             max_tokens, mt_param = req.max_tokens, "max_tokens"
         params = self.sampling_params(req, max_tokens=max_tokens, max_tokens_param=mt_param,
                                       logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                                      logprobs_param="top_logprobs")
+                                      logprobs_param="top_logprobs",
+                                      structured_outputs=await self.constraint(req, tools))
         try:
             ids = await self.encode(self.tokenizer.encode_chat, messages, tools=tools, parse_special=req.parse_special,
                                     **(req.chat_template_kwargs or {}))

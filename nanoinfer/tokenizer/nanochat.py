@@ -186,6 +186,9 @@ class NanochatTokenizer:
     def is_special(self, i: int) -> bool:
         return i in self._special_set
 
+    def vocabulary_source(self) -> tuple[str, Any]:
+        return "tiktoken", self.encoding
+
     # ------------------------------------------------------------------ chat
 
     def render_conversation(self, messages: Sequence[dict]) -> tuple[list[int], list[int]]:

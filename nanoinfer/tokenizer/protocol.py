@@ -38,6 +38,11 @@ class TokenizerLike(Protocol):
     def is_special(self, i: int) -> bool:
         ...
 
+    def vocabulary_source(self) -> tuple[str, Any]:
+        """The vocabulary in a form a grammar engine reads it (structured outputs):
+        ("tokenizers", tokenizer.json's text) or ("tiktoken", the tiktoken Encoding)."""
+        ...
+
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None, **kwargs: Any) -> list[int]:
         """The prompt ids for a chat (the model's own format); kwargs go to the template."""

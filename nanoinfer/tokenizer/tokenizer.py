@@ -187,6 +187,9 @@ class Tokenizer:
     def is_special(self, i: int) -> bool:
         return i in self._special_ids
 
+    def vocabulary_source(self) -> tuple[str, Any]:
+        return "tokenizers", self._backend.to_str()
+
     # ------------------------------------------------------------------ chat
 
     def apply_chat_template(

@@ -1,0 +1,46 @@
+"""What the engine asks of a grammar engine: compile a constraint once (cached by its text),
+give each constrained sequence a matcher of its own, and per step the mask of allowed tokens.
+
+One implementation today (llguidance_backend.py); xgrammar would be another class with the
+same three members. Compiling is the slow part (milliseconds to seconds for a large
+schema), so callers compile before a request reaches the engine loop (`StructuredOutputs.compile`
+from the server's worker threads, or `LLM.generate` before its first step)."""
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from ..sampling import StructuredOutputsParams
+
+
+class Matcher(Protocol):
+    """One sequence's position in its grammar."""
+
+    def fill_mask(self, out: np.ndarray) -> None:
+        """Write the allowed next tokens into `out` (uint32 words, bit t % 32 of word t // 32)."""
+        ...
+
+    def accept(self, token: int) -> bool:
+        """Advance over a sampled (or forced) token; False if the grammar does not allow it."""
+        ...
+
+    def is_terminated(self) -> bool:
+        """The grammar is complete and allows nothing more: the output ends here."""
+        ...
+
+
+class Compiled(Protocol):
+    """A compiled constraint; `matcher()` is cheap and independent of other matchers."""
+
+    def matcher(self) -> Matcher:
+        ...
+
+
+class GrammarBackend(Protocol):
+    name: str
+
+    def compile(self, spec: StructuredOutputsParams) -> Compiled:
+        """Raises InvalidRequestError (with the spec's field as param) for a constraint the
+        backend cannot handle."""
+        ...
