@@ -106,7 +106,7 @@ def test_tool_choice_required_always_calls(client):
     model = model_of(client)
     free = client.chat.completions.create(model=model, messages=PROSE[0], tools=TOOLS, temperature=0, max_tokens=64)
     assert not free.choices[0].message.tool_calls  # unconstrained, the model answers in prose
-    for i, messages in enumerate(PROSE):
+    for messages in PROSE:
         for seed in (None, 1, 2):
             out = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, tool_choice="required",
                                                  temperature=0 if seed is None else 1.0, seed=seed, max_tokens=256)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 import json
 import re
-from typing import Literal, Optional
+from typing import Literal
 
 import jsonschema
 import pydantic
@@ -35,7 +35,7 @@ class Address(pydantic.BaseModel):
 class Person(pydantic.BaseModel):
     name: str
     age: int
-    email: Optional[str] = None
+    email: str | None = None
 
 
 class Company(pydantic.BaseModel):
@@ -64,7 +64,7 @@ class Event(pydantic.BaseModel):
 
 class Tree(pydantic.BaseModel):  # recursive
     value: int
-    children: list["Tree"] = []
+    children: list[Tree] = []
 
 
 class Review(pydantic.BaseModel):
@@ -87,7 +87,7 @@ class Recipe(pydantic.BaseModel):
     title: str
     ingredients: list[str]
     steps: list[str]
-    minutes: Optional[int] = None
+    minutes: int | None = None
 
 
 class Answer(pydantic.BaseModel):

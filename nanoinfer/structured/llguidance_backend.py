@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import llguidance
-from llguidance.gbnf_to_lark import any_to_lark
 import numpy as np
+from llguidance.gbnf_to_lark import any_to_lark
 
 from ..errors import InvalidRequestError
 from ..sampling import StructuredOutputsParams
