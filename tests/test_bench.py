@@ -240,6 +240,20 @@ def test_bench_throughput_against_transformers(make_hf_model, tmp_path, capsys):
     assert_png(png)
 
 
+def test_bench_throughput_structured(make_hf_model, capsys):
+    """--structured json: the same requests again, each under the bench's JSON schema; the
+    outputs run to their lengths (the schema cannot close early) and the mask time is reported."""
+    _, path = make_hf_model("llama")
+    doc, out = run_bench(capsys, ["throughput", "--model", str(path), "-n", "4", "--min-input-len", "3",
+                                  "--max-input-len", "12", "--min-output-len", "8", "--max-output-len", "16",
+                                  "--structured", "json"])
+    free, js = doc["results"]["nanoinfer"], doc["results"]["nanoinfer_json"]
+    assert js["output_tokens"] == free["output_tokens"] and js["closed_early"] == 0
+    assert js["structured"] == "json" and js["mask_ms_per_step"] > 0
+    assert doc["ratio_structured_output_tok_s"] == pytest.approx(js["output_tok_s"] / free["output_tok_s"])
+    assert "under a JSON schema" in out
+
+
 def test_bench_loop(make_hf_model, tmp_path, capsys):
     _, path = make_hf_model("llama")
     png = tmp_path / "loop.png"

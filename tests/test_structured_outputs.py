@@ -13,6 +13,7 @@ from typing import Literal
 import jsonschema
 import pydantic
 import pytest
+import torch
 
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.errors import InvalidRequestError
@@ -240,3 +241,48 @@ def test_bad_constraints_are_clear_errors(llm):
         S(regex="a", choice=["b"])
     # the engine goes on serving
     assert llm.generate("x", SamplingParams(max_tokens=2, ignore_eos=True))[0].outputs[0].token_ids
+
+
+# --- tool use on a constrained row (a nanochat vocabulary) ---------------------------------
+class PreferToolCall(torch.nn.Module):
+    """Every step: <|python_start|> is the model's favourite, then the token for "7"."""
+
+    def __init__(self, config, favourite: int, second: int):
+        super().__init__()
+        self.config, self.favourite, self.second = config, favourite, second
+        self.anchor = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, batch):
+        n = 0 if batch.logits_indices is None else len(batch.logits_indices)
+        logits = torch.zeros(n, self.config.vocab_size)
+        logits[:, self.favourite] = 10.0
+        logits[:, self.second] = 5.0
+        return logits
+
+
+def test_tool_call_start_is_masked_on_a_constrained_row():
+    """On a nanochat vocabulary the engine runs tools: a sampled <|python_start|> starts a
+    calculator call whose output is forced in. A constrained row never samples it unless the
+    grammar allows it, so the forced output cannot break the grammar."""
+    from nanoinfer.config import ModelConfig
+    from nanoinfer.engine import LLMEngine
+    from nanoinfer.models.builder import LoadedModel
+    from nanoinfer.tokenizer import NanochatTokenizer
+
+    from nanochat_fixtures import build_encoding
+
+    tok = NanochatTokenizer(build_encoding())
+    start, seven = tok.token_to_id("<|python_start|>"), tok.encode("7", add_special_tokens=False)[0]
+    config = ModelConfig("scripted", tok.vocab_size, 8, 16, 1, 1, 1, 8, max_position_embeddings=128)
+    engine = LLMEngine(LoadedModel(PreferToolCall(config, start, seven), tok, config, None, "scripted", 0.0))
+    assert engine.tools, "this vocabulary has the calculator's markers"
+    prompt = tok.encode("Q:", add_special_tokens=False)
+    engine.add_request("free", prompt, SamplingParams(temperature=0, max_tokens=6))
+    engine.add_request("regex", prompt, SamplingParams(temperature=0, max_tokens=12,
+                                                       structured_outputs=S(regex="[0-9]{3}")))
+    while engine.has_unfinished():
+        engine.step()
+    free, constrained = engine.release("free").outputs[0], engine.release("regex").outputs[0]
+    assert start in free.token_ids  # unconstrained, the model calls the tool
+    assert start not in constrained.token_ids and constrained.text == "777"
+    assert constrained.finish_reason == "stop"

@@ -74,6 +74,8 @@ def _add_commands(sub) -> None:
                     kv_cache=False)
     thr.add_argument("--compare", default=None, choices=["transformers"],
                      help="also run the same requests through transformers' generate()")
+    thr.add_argument("--structured", default=None, choices=["json"],
+                     help="also run every request under a JSON schema and compare (structured outputs)")
     thr.add_argument("--hf-batch-size", type=int, default=None,
                      help="static batch size for transformers (default min(32, N))")
     thr.set_defaults(func=_throughput)

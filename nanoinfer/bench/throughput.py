@@ -5,6 +5,10 @@ N requests of random token prompts, input and output lengths drawn uniformly fro
 submitted at once. Figures: output tok/s (requested output tokens / wall time), total
 tok/s (prompt + output tokens / wall time), requests/s.
 
+`--structured json` runs them a second time with every request under a JSON schema
+(BENCH_SCHEMA: an array of at least 64 records, so that every output runs to its length), and reports
+both runs, their ratio and the time the grammar masks took per step.
+
 `--compare transformers` runs the same requests through `model.generate` in static,
 left-padded batches (greedy, nothing stops early): how a plain transformers script
 serves a batch. Only each request's requested output tokens count as useful output;
@@ -23,7 +27,7 @@ import torch
 
 from ..engine import EngineConfig, LLMEngine
 from ..errors import NanoinferError
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, StructuredOutputsParams
 from .common import (
     BenchEnv,
     emit_json,
@@ -43,6 +47,10 @@ from .common import (
 )
 
 BLOCK_SIZE = 16
+# At least 64 records: no output can close its JSON before its length (128 tokens at most by default).
+BENCH_SCHEMA = {"type": "array", "minItems": 64, "items": {"type": "object", "properties": {
+    "id": {"type": "integer"}, "name": {"type": "string"}, "score": {"type": "number"},
+    "tags": {"type": "array", "items": {"type": "string"}}}, "required": ["id", "name", "score", "tags"]}}
 
 
 @dataclass
@@ -86,7 +94,8 @@ def pool_limit(device: torch.device) -> int:
         return 8 << 30
 
 
-def run_engine(env: BenchEnv, reqs: list[Request], max_num_seqs: int, max_num_batched_tokens: int) -> dict:
+def run_engine(env: BenchEnv, reqs: list[Request], max_num_seqs: int, max_num_batched_tokens: int,
+               structured: StructuredOutputsParams | None = None) -> dict:
     lens = [len(r.prompt_ids) + r.output_len for r in reqs]
     pool = min(kv_pool_bytes(env.roofline, lens, BLOCK_SIZE), pool_limit(env.device))
     engine = LLMEngine(env.loaded, EngineConfig(
@@ -100,12 +109,15 @@ def run_engine(env: BenchEnv, reqs: list[Request], max_num_seqs: int, max_num_ba
         engine.step()
     engine.release("warmup")
     steps0 = engine.total_steps
+    if structured is not None:  # compiled before the clock starts, as the server compiles before submitting
+        engine.structured.compile(structured)
 
     want = sum(r.output_len for r in reqs)
     sync(env.device)
     t0 = time.perf_counter()
     for i, r in enumerate(reqs):
-        engine.add_request(str(i), r.prompt_ids, SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True))
+        engine.add_request(str(i), r.prompt_ids, SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True,
+                                                                structured_outputs=structured))
     done = 0
     while engine.has_unfinished():
         deltas = engine.step()
@@ -118,11 +130,12 @@ def run_engine(env: BenchEnv, reqs: list[Request], max_num_seqs: int, max_num_ba
     progress_done()
     outs = [engine.release(str(i)) for i in range(len(reqs))]
     metrics = engine.metrics()
+    mask_seconds = engine.structured.mask_seconds
     del engine
     gc.collect()
     produced = [len(o.outputs[0].token_ids) for o in outs]
     short = sum(1 for o, r in zip(produced, reqs) if o != r.output_len)
-    if short:
+    if short and structured is None:
         raise NanoinferError(f"{short} requests did not produce their requested tokens (context too small?)")
     ttfts = [o.stats[0].ttft for o in outs]
     res = figures(reqs, sum(produced), seconds)
@@ -135,6 +148,10 @@ def run_engine(env: BenchEnv, reqs: list[Request], max_num_seqs: int, max_num_ba
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens,
     })
+    if structured is not None:
+        steps = res["steps"]
+        res.update({"structured": structured.kind, "closed_early": short,
+                    "mask_ms_per_step": 1000 * mask_seconds / steps if steps else 0.0})
     return res
 
 
@@ -247,6 +264,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"{len(reqs)} requests, input {args.min_input_len}..{args.max_input_len}, output "
           f"{args.min_output_len}..{args.max_output_len} tokens (uniform, seed {args.seed}), greedy, ignore_eos")
     results = {"nanoinfer": run_engine(env, reqs, max_num_seqs, budget)}
+    if args.structured == "json":
+        results["nanoinfer_json"] = run_engine(env, reqs, max_num_seqs, budget, StructuredOutputsParams(json=BENCH_SCHEMA))
     if compare == "transformers":
         results["transformers"] = run_transformers(env, reqs, args.hf_batch_size or min(32, len(reqs)))
     print()
@@ -260,6 +279,13 @@ def run(args: argparse.Namespace) -> int:
            "config": {k: getattr(args, k) for k in ("num_requests", "min_input_len", "max_input_len",
                                                      "min_output_len", "max_output_len", "seed")},
            "results": results}
+    if args.structured == "json":
+        js = results["nanoinfer_json"]
+        ratio = js["output_tok_s"] / ni["output_tok_s"]
+        print(f"nanoinfer with every request under a JSON schema: {js['output_tok_s']:.1f} output tok/s, "
+              f"{ratio:.2f}x the unconstrained run; grammar masks {js['mask_ms_per_step']:.2f} ms per step "
+              f"({js['steps']} steps), {js['closed_early']} outputs closed their JSON before their length")
+        out["ratio_structured_output_tok_s"] = ratio
     if compare == "transformers":
         hf = results["transformers"]
         ratio = ni["output_tok_s"] / hf["output_tok_s"]
