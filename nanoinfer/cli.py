@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .bench.cli import add_bench_parser
 from .bench.perplexity import add_perplexity_parser
-from .cli_args import add_model_arg, add_model_args, add_sampling_args, run_command, sampling_params
+from .cli_args import add_model_arg, add_model_args, add_sampling_args, add_speculative_arg, run_command, sampling_params
 from .errors import NanoinferError
 from .kernels.quant_linear import parameter_count
 from .server.cli import add_serve_parser
@@ -71,7 +71,8 @@ def load_llm(a: argparse.Namespace):
     if a.model and a.max_model_len and Path(a.model).exists() and detect_format(Path(a.model)) == "nanochat":
         # nanochat's windows let it slide past sequence_len (up to 10x): widen its rotary table
         overrides = {"max_position_embeddings": a.max_model_len}
-    llm = LLM(a.model, dtype=a.dtype, max_model_len=a.max_model_len, model_overrides=overrides)
+    llm = LLM(a.model, dtype=a.dtype, max_model_len=a.max_model_len, model_overrides=overrides,
+              speculative_config=a.speculative_config)
     lm = llm.loaded
     formats = ", ".join(f"{n} {f}" for f, n in sorted(lm.info.get("tensor_formats", {}).items(), key=lambda x: -x[1]))
     print(f"[{lm.path.name}: {lm.format}, {lm.config.architecture}, {parameter_count(lm.model) / 1e6:.0f}M params"
@@ -219,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-echo", action="store_true", help="raw mode: do not print the prompt first")
     add_parse_special_arg(g, None, "PROMPT")
     add_model_args(g)
+    add_speculative_arg(g)
     add_sampling_args(g, max_tokens=256)
     g.set_defaults(func=cmd_generate)
 
@@ -227,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--stats", action="store_true")
     add_parse_special_arg(c, False, "your messages")
     add_model_args(c)
+    add_speculative_arg(c)
     add_sampling_args(c, max_tokens=512)
     c.set_defaults(func=cmd_chat)
 

@@ -13,6 +13,7 @@ default as text: the flag then parses to None and its help shows the text.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from .errors import NanoinferError
@@ -59,6 +60,23 @@ def add_model_args(p: argparse.ArgumentParser, *, dtype: str | None = "auto", dt
                         f"(default {dtype or dtype_rule})")
     if max_model_len:
         p.add_argument("--max-model-len", type=positive_int, default=None, help="context window (default: the model's)")
+
+
+def add_speculative_arg(p: argparse.ArgumentParser) -> None:
+    """--speculative-config, for the commands that decode with an engine."""
+    p.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)')
+
+
+def json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 # --- the engine --------------------------------------------------------------------------

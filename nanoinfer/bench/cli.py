@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..cli_args import add_engine_args, add_model_args, run_command
+from ..cli_args import add_engine_args, add_model_args, add_speculative_arg, run_command
 
 
 def _common(p: argparse.ArgumentParser, peaks: bool = False) -> None:
@@ -74,6 +74,7 @@ def _add_commands(sub) -> None:
                     kv_cache=False)
     thr.add_argument("--compare", default=None, choices=["transformers"],
                      help="also run the same requests through transformers' generate()")
+    add_speculative_arg(thr)
     thr.add_argument("--structured", default=None, choices=["json"],
                      help="also run every request under a JSON schema and compare (structured outputs)")
     thr.add_argument("--hf-batch-size", type=int, default=None,

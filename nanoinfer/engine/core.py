@@ -23,6 +23,7 @@ from ..errors import InvalidRequestError, RequestFailedError
 from ..kernels.quant_linear import has_block_weights
 from ..models.builder import LoadedModel
 from ..sampling import RowSampler, SamplingParams
+from ..spec_decode import NgramProposer, SpeculativeConfig
 from ..structured import StructuredOutputs
 from ..tokenizer import IncrementalDetokenizer, StopMatcher
 from ..tools.tool_use import ToolUseState, bind_tools
@@ -41,6 +42,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_tools: bool = True  # run tools (the calculator) when the vocabulary has their marker tokens
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES: "auto" is kv_cache_dtype()'s rule
+    speculative_config: SpeculativeConfig | dict | None = None  # vLLM's: {"method": "ngram", ...}
 
 
 logger = logging.getLogger("nanoinfer.engine")
@@ -109,6 +111,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, mc, self.cache)
         self.tools = bind_tools(self.tokenizer) if config.enable_tools else []
         self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size)
+        self.spec = SpeculativeConfig.of(config.speculative_config)
+        self.proposer = NgramProposer(self.spec) if self.spec else None
+        self.spec_proposed = self.spec_accepted = 0  # proposed and accepted tokens, for metrics
         self.requests: dict[str, list[Sequence]] = {}
         self.failures: dict[str, RequestFailedError] = {}  # requests ended by an internal error, until taken
         self.last_step_tokens = 0
@@ -196,6 +201,8 @@ class LLMEngine:
 
     # --- the loop ---------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
+        if self.proposer is not None:
+            self._propose()
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -224,8 +231,11 @@ class LLMEngine:
         argmax = (logits.numpy().argmax(-1).tolist() if any(batch.seqs[i].sampler.takes_argmax for i in samplers)
                   else [None] * len(samplers))
         deltas = []
-        for row, i in enumerate(samplers):
-            seq = batch.seqs[i]
+        row = 0
+        while row < len(samplers):
+            seq = batch.seqs[samplers[row]]
+            rows = range(row, row + 1 + len(seq.spec_tokens))  # its row, then one per proposed token
+            row = rows.stop
             if seq.finished:  # its request failed earlier in this step
                 continue
             # An error here belongs to this request alone (its parameters, its text): it ends
@@ -233,12 +243,52 @@ class LLMEngine:
             try:
                 for fork in seq.forks:  # they sample their first token from the same logits
                     self.scheduler.fork(seq, fork)
-                    deltas.append(self._sample(fork, logits[row], argmax[row]))
+                    deltas.append(self._sample(fork, logits[rows[0]], argmax[rows[0]]))
                 seq.forks = []
-                deltas.append(self._sample(seq, logits[row], argmax[row]))
+                if seq.spec_tokens:
+                    deltas.extend(self._verify(seq, logits, argmax, rows))
+                else:
+                    deltas.append(self._sample(seq, logits[rows[0]], argmax[rows[0]]))
             except Exception as e:
                 self._fail(seq.request_id, e)
         return [d for d in deltas if d.request_id not in self.failures] if self.failures else deltas
+
+    def _propose(self) -> None:
+        """Proposed next tokens for each decoding sequence, unless the batch is large enough
+        that the step is compute-bound (SpeculativeConfig.disable_by_batch_size). Not for rows
+        under a grammar (their masks would have to follow the guesses) or with forks pending."""
+        running = self.scheduler.running
+        decoding = [s for s in running if s.num_computed == s.length - 1]
+        if len(decoding) >= self.spec.disable_by_batch_size:
+            return
+        for seq in decoding:
+            if seq.grammar is not None or seq.forks or seq.finished:
+                continue
+            room = min(self.max_model_len - seq.length,
+                       (seq.params.max_tokens - len(seq.output_ids)) if seq.params.max_tokens else 1 << 30) - 1
+            seq.spec_tokens = self.proposer.propose(seq.all_ids, min(self.spec.num_speculative_tokens, room))
+            self.spec_proposed += len(seq.spec_tokens)
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor, argmax: list, rows: range) -> list[StreamDelta]:
+        """Sample position by position, as the sequence would without speculation (the rows'
+        logits are the single-token decode's, bit for bit; the sampler's state moves the same
+        way): a proposed token is accepted exactly when it equals the token sampled at its
+        position. The first mismatch (or the bonus row after all k) gives the last token."""
+        spec, start = seq.spec_tokens, seq.num_computed
+        deltas, matched = [], 0
+        for j, row in enumerate(rows):
+            delta = self._sample(seq, logits[row], argmax[row])
+            deltas.append(delta)
+            if seq.finished or len(delta.token_ids) > 1:  # ended, or a tool forced tokens in
+                break
+            if j == len(spec) or delta.token_ids[0] != spec[j]:
+                break
+            matched += 1
+        seq.spec_tokens = []
+        self.spec_accepted += matched
+        if not seq.finished:  # the accepted tokens' KV is in the cache; the last token's is not yet
+            self.scheduler.advance(seq, min(start + matched, seq.length - 1) - seq.num_computed)
+        return deltas
 
     def _fail(self, request_id: str, error: Exception) -> None:
         logger.error("request %s failed", request_id, exc_info=error)

@@ -22,7 +22,8 @@ class ModelRunner:
 
     def build(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[int]]:
         """Flatten the batch into one forward, and say which sequences (indices into
-        batch.seqs) the logits rows belong to."""
+        batch.seqs) the logits rows belong to (a sequence with proposed tokens has 1 + k rows,
+        in order)."""
         bs = self.cache.block_size
         per_row = self.attention.every_row_reads_the_cache  # every row a one-row query up to its position
         ids: list[int] = []
@@ -37,9 +38,10 @@ class ModelRunner:
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             start = seq.num_computed
             q_start = len(ids)
-            ids.extend(seq.token_slice(start, start + n))
+            spec = len(seq.spec_tokens)  # proposed tokens follow the sequence's own: every one gets logits
+            ids.extend(seq.token_slice(start, start + n - spec) + seq.spec_tokens)
             if self.needs_prev_ids:
-                prev.extend(seq.token_slice(start - 1, start + n - 1) if start else [-1] + ids[q_start:-1])
+                prev.extend((seq.token_slice(start - 1, start) if start else [-1]) + ids[q_start:-1])
             positions.extend(range(start, start + n))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
@@ -49,9 +51,9 @@ class ModelRunner:
             else:
                 prefills.append(PrefillSlice(q_start, n, start + n,
                                              torch.tensor(table[:-(-(start + n) // bs)], device=self.device)))
-            if start + n == seq.length:  # caught up with its tokens: it samples the next one
-                logits_rows.append(len(ids) - 1)
-                samplers.append(i)
+            if start + n - spec == seq.length:  # caught up with its tokens: it samples the next one(s)
+                logits_rows.extend(range(len(ids) - 1 - spec, len(ids)))
+                samplers.extend([i] * (1 + spec))
         meta = PagedMetadata(torch.tensor(slots, device=self.device), prefills, None, None, None)
         if row_seqs:
             meta.decode_rows = (torch.arange(len(ids), device=self.device) if per_row

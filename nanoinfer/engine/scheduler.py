@@ -73,10 +73,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.length - seq.num_computed, budget)
+            if seq.spec_tokens:  # a decode with proposed tokens: the guesses ride along, budget permitting
+                del seq.spec_tokens[max(0, budget - (seq.length - seq.num_computed)):]
+            n = min(seq.length - seq.num_computed + len(seq.spec_tokens), budget)
             while not self.blocks.can_allocate(self._blocks_for(seq, n)) and self.running[-1] is not seq:
                 self.preempt(self.running[-1])
             if not self.blocks.can_allocate(self._blocks_for(seq, n)):
+                seq.spec_tokens.clear()
                 self.preempt(seq)  # nothing newer left to take blocks from
                 break
             self._reserve(seq, n)
@@ -113,9 +116,14 @@ class Scheduler:
         """The forward computed the scheduled tokens: advance each sequence and name the
         blocks it filled, for later prefix hits."""
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            seq.num_computed += n
-            if self.blocks.enable_prefix_caching and seq.num_computed // self.blocks.block_size > len(seq.block_hashes):
-                self.blocks.seal_full_blocks(seq.block_table, seq.all_ids, seq.num_computed, seq.block_hashes)
+            self.advance(seq, n - len(seq.spec_tokens))  # proposed tokens count once they are accepted
+
+    def advance(self, seq: Sequence, n: int) -> None:
+        """n more of the sequence's tokens have their KV in its blocks (a forward computed
+        them, or proposed tokens were accepted)."""
+        seq.num_computed += n
+        if self.blocks.enable_prefix_caching and seq.num_computed // self.blocks.block_size > len(seq.block_hashes):
+            self.blocks.seal_full_blocks(seq.block_table, seq.all_ids, seq.num_computed, seq.block_hashes)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """A sample of the same prompt joins the running set, sharing the parent's blocks."""

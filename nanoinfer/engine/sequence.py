@@ -132,6 +132,7 @@ class Sequence:
     max_model_len: int
     tool_use: ToolUseState | None = None
     grammar: Matcher | None = None  # its structured-output constraint, advanced token by token
+    spec_tokens: list[int] = field(default_factory=list)  # proposed next tokens, checked in this step's forward
     output_ids: list[int] = field(default_factory=list)
     output_mask: list[int] = field(default_factory=list)
     text: str = ""

@@ -12,11 +12,20 @@ import signal
 import sys
 from pathlib import Path
 
-from ..cli_args import add_engine_args, add_model_args, byte_size, engine_kwargs, positive_int, run_command
+from ..cli_args import (
+    add_engine_args,
+    add_model_args,
+    add_speculative_arg,
+    byte_size,
+    engine_kwargs,
+    positive_int,
+    run_command,
+)
 
 
 def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_model_args(p)
+    add_speculative_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--served-model-name", default=None,
@@ -57,7 +66,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from .serving import ServerConfig
 
     logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
-    llm = LLM(a.model, dtype=a.dtype, max_model_len=a.max_model_len, **engine_kwargs(a))
+    llm = LLM(a.model, dtype=a.dtype, max_model_len=a.max_model_len, speculative_config=a.speculative_config,
+              **engine_kwargs(a))
     lm = llm.loaded
     name = a.served_model_name or default_name(lm.path)
     print(f"[{lm.path.name}: {lm.format}, {lm.config.architecture}, context {llm.max_model_len}, "

@@ -13,6 +13,7 @@ from ..tokenizer import TokenizerLike
 from .protocol import APIError, ChatCompletionRequest, SamplingFields
 from .tool_calls import CALL_CLOSE, CALL_OPEN
 
+MAX_PARALLEL_CALLS = 8  # calls in one reply under tool_choice "required" (a small model may repeat calls forever)
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
@@ -99,8 +100,9 @@ def tool_call_constraint(tools: list[dict], tool_choice: Any, tokenizer: Tokeniz
     if hermes:
         newline = json.dumps("\n")
         block = f"{json.dumps(CALL_OPEN + chr(10))} %json {json.dumps(call)} {json.dumps(chr(10) + CALL_CLOSE)}"
-        lark = "start: call" + ("" if one else f" ({newline} call)*") + f"\ncall: {block}"
+        lark = "start: call" + ("" if one else f" ({newline} call){{0,{MAX_PARALLEL_CALLS - 1}}}") + f"\ncall: {block}"
         return StructuredOutputsParams(grammar=lark)
     if one:
         return StructuredOutputsParams(json=call)
-    return StructuredOutputsParams(json={"anyOf": [call, {"type": "array", "items": call, "minItems": 1}]})
+    return StructuredOutputsParams(json={"anyOf": [call, {"type": "array", "items": call, "minItems": 1,
+                                                          "maxItems": MAX_PARALLEL_CALLS}]})

@@ -21,6 +21,9 @@
 #include <cstring>
 #include <algorithm>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 #include "common.h"
 #include "team.h"
 #ifdef _OPENMP
@@ -57,25 +60,111 @@ inline void for_each_row(const T* cache, const int64_t* table, int64_t t0, int64
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const BF16* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+// The 8 lane sums of a[0..7], as one vector (lane j: the sum of a[j]'s lanes).
+inline __m256 hsum8x8(const __m256* a) {
+    const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+inline float hsum(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+// out[i] = q . row i, for n rows `stride` values apart: eight rows at a time, reduced together.
+template <typename T, int D>
+inline void dots(const float* qh, const T* rows, int64_t stride, int64_t n, float* out) {
+    __m256 q[D / 8];
+    for (int c = 0; c < D / 8; c++) q[c] = _mm256_loadu_ps(qh + 8 * c);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 a[8];
+        for (int j = 0; j < 8; j++) {
+            const T* r = rows + (i + j) * stride;
+            __m256 x = _mm256_mul_ps(q[0], load8(r));
+            for (int c = 1; c < D / 8; c++) x = _mm256_fmadd_ps(q[c], load8(r + 8 * c), x);
+            a[j] = x;
+        }
+        _mm256_storeu_ps(out + i, hsum8x8(a));
+    }
+    for (; i < n; i++) {
+        const T* r = rows + i * stride;
+        __m256 x = _mm256_mul_ps(q[0], load8(r));
+        for (int c = 1; c < D / 8; c++) x = _mm256_fmadd_ps(q[c], load8(r + 8 * c), x);
+        out[i] = hsum(x);
+    }
+}
+
+// acc[0..63] += sum_i p[i] * row i (64 values of it), in registers.
+template <typename T>
+inline void weighted64(const float* p, const T* rows, int64_t stride, int64_t n, float* acc) {
+    __m256 a[8];
+    for (int c = 0; c < 8; c++) a[c] = _mm256_loadu_ps(acc + 8 * c);
+    for (int64_t i = 0; i < n; i++) {
+        const __m256 w = _mm256_set1_ps(p[i]);
+        const T* r = rows + i * stride;
+        for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(w, load8(r + 8 * c), a[c]);
+    }
+    for (int c = 0; c < 8; c++) _mm256_storeu_ps(acc + 8 * c, a[c]);
+}
+
+// fn(i, rows, count) for each run of consecutive tokens [t0 + i, t0 + i + count) in one block:
+// rows points at the first one's [Hkv, D]; the next block is prefetched.
+template <typename T, typename Fn>
+inline void for_each_run(const T* cache, const int64_t* table, int64_t t0, int64_t t1, int64_t bs, int64_t row, Fn fn) {
+    for (int64_t t = t0; t < t1;) {
+        const Run run = block_run(table, t, t1, bs);
+        prefetch_block(cache, table, t + run.count, t1, bs, row);
+        fn(t - t0, cache + run.slot * row, run.count);
+        t += run.count;
+    }
+}
+#endif
+
 // One sequence's tokens [t0, t1), the query heads of kv head hk. qf: [H, D] fp32, already
 // scaled. s: [H, t1 - t0] scratch. Out, per head h: m[h] the largest score, l[h] = sum of e^(score - m[h]), and
 // acc[h * D ...] = sum of e^(score - m[h]) * value (not yet divided by l: the parts of a
 // sequence split over threads are merged first). D_ > 0 fixes the head size at compile time.
+// With AVX2 and D_ a multiple of 64, each head's scores come eight keys at a time and its
+// weighted values accumulate in registers (the portable loops kept them in memory: 10x slower
+// at a 1000-token context).
 template <typename T, int D_>
 void attend_part(const float* qf, const T* k, const T* v, const int64_t* table, int64_t t0, int64_t t1,
                  int64_t bs, int64_t Hkv, int64_t hk, int64_t G, int64_t D, float softcap, float* s, float* acc,
                  float* m, float* l) {
     if (D_ > 0) D = D_;
     const int64_t S = t1 - t0, row = Hkv * D;
-    for_each_row(k, table, t0, t1, bs, row, [&](int64_t i, const T* kp) {  // scores
-        for (int64_t h = hk * G; h < (hk + 1) * G; h++) {
-            const float* qh = qf + h * D;
-            const T* kh = kp + hk * D;
-            float a = 0.f;
-            for (int64_t d = 0; d < D; d++) a += qh[d] * load(kh, d);
-            s[h * S + i] = a;
-        }
-    });
+#if defined(__AVX2__) && defined(__FMA__)
+    constexpr bool fast = D_ > 0 && D_ % 64 == 0;
+#else
+    constexpr bool fast = false;
+#endif
+    if constexpr (fast) {
+#if defined(__AVX2__) && defined(__FMA__)
+        for (int64_t h = hk * G; h < (hk + 1) * G; h++)
+            for_each_run(k, table, t0, t1, bs, row, [&](int64_t i, const T* rows, int64_t n) {
+                dots<T, (D_ > 0 ? D_ : 64)>(qf + h * D, rows + hk * D, row, n, s + h * S + i);
+            });
+#endif
+    } else {
+        for_each_row(k, table, t0, t1, bs, row, [&](int64_t i, const T* kp) {  // scores
+            for (int64_t h = hk * G; h < (hk + 1) * G; h++) {
+                const float* qh = qf + h * D;
+                const T* kh = kp + hk * D;
+                float a = 0.f;
+                for (int64_t d = 0; d < D; d++) a += qh[d] * load(kh, d);
+                s[h * S + i] = a;
+            }
+        });
+    }
     for (int64_t h = hk * G; h < (hk + 1) * G; h++) {
         float* sh = s + h * S;
         float mh = -INFINITY, lh = 0.f;
@@ -88,14 +177,24 @@ void attend_part(const float* qf, const T* k, const T* v, const int64_t* table, 
         l[h] = lh;
         for (int64_t d = 0; d < D; d++) acc[h * D + d] = 0.f;
     }
-    for_each_row(v, table, t0, t1, bs, row, [&](int64_t i, const T* vp) {  // weighted values
-        for (int64_t h = hk * G; h < (hk + 1) * G; h++) {
-            const float p = s[h * S + i];
-            const T* vh = vp + hk * D;
-            float* ah = acc + h * D;
-            for (int64_t d = 0; d < D; d++) ah[d] += p * load(vh, d);
-        }
-    });
+    if constexpr (fast) {
+#if defined(__AVX2__) && defined(__FMA__)
+        for (int64_t h = hk * G; h < (hk + 1) * G; h++)
+            for (int64_t d0 = 0; d0 < D; d0 += 64)
+                for_each_run(v, table, t0, t1, bs, row, [&](int64_t i, const T* rows, int64_t n) {
+                    weighted64(s + h * S + i, rows + hk * D + d0, row, n, acc + h * D + d0);
+                });
+#endif
+    } else {
+        for_each_row(v, table, t0, t1, bs, row, [&](int64_t i, const T* vp) {  // weighted values
+            for (int64_t h = hk * G; h < (hk + 1) * G; h++) {
+                const float p = s[h * S + i];
+                const T* vh = vp + hk * D;
+                float* ah = acc + h * D;
+                for (int64_t d = 0; d < D; d++) ah[d] += p * load(vh, d);
+            }
+        });
+    }
 }
 
 constexpr int64_t kMaxParts = 64;

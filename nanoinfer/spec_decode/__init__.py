@@ -1,0 +1,13 @@
+"""Speculative decoding: proposers guess the next tokens of a sequence, and the engine checks
+every guess in the same forward as the other rows' work (engine/core.py).
+
+- `SpeculativeConfig` (config.py): vLLM's `speculative_config`, validated.
+- `NgramProposer` (ngram.py): prompt lookup, the last n tokens matched against earlier text.
+
+Exactness lives in the engine: a proposed token is accepted exactly when it equals the token
+the target samples at that position, sampled as it would be without speculation (same logits
+bit for bit, same sampler state), so outputs are the same with speculation on or off."""
+from .config import SpeculativeConfig
+from .ngram import NgramProposer
+
+__all__ = ["NgramProposer", "SpeculativeConfig"]

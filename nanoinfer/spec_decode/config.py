@@ -1,0 +1,49 @@
+"""vLLM's `speculative_config`: {"method": "ngram", "num_speculative_tokens": 4,
+"prompt_lookup_max": 4, "prompt_lookup_min": 2}."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import InvalidRequestError
+
+METHODS = ("ngram",)
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    # Steps with at least this many decoding sequences do not speculate (vLLM's
+    # speculative_disable_by_batch_size): a batch that large keeps the CPU busy computing, so
+    # checking guesses costs more than the weight reads it saves.
+    disable_by_batch_size: int = 4
+
+    @classmethod
+    def of(cls, value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise InvalidRequestError("speculative_config must be a dict", param="speculative_config")
+        try:
+            return cls(**value)
+        except TypeError as e:
+            raise InvalidRequestError(f"speculative_config: {e}", param="speculative_config") from None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise InvalidRequestError(f"speculative_config method {self.method!r}: one of {', '.join(METHODS)}",
+                                      param="speculative_config.method")
+        ints = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
+        for name in ints:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidRequestError(f"speculative_config {name}={value!r} must be an integer >= 1",
+                                          param=f"speculative_config.{name}")
+        if self.num_speculative_tokens > 16:
+            raise InvalidRequestError("speculative_config num_speculative_tokens must be at most 16",
+                                      param="speculative_config.num_speculative_tokens")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise InvalidRequestError("speculative_config prompt_lookup_min must be <= prompt_lookup_max",
+                                      param="speculative_config.prompt_lookup_min")

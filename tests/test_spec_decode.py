@@ -1,0 +1,75 @@
+"""Speculative decoding (n-gram prompt lookup): the same tokens and the same logprob bits as
+without it, greedy and seeded-sampled, alone and among 31 other requests, with chunked
+prefill, preemption, stop strings and max_tokens cutting a run of accepted guesses short."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoinfer import LLM, SamplingParams
+from nanoinfer.errors import InvalidRequestError
+from nanoinfer.spec_decode import NgramProposer, SpeculativeConfig
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def prompts(n: int) -> list[dict]:
+    """Prompts that repeat themselves (so lookups hit), each different."""
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for i in range(n):
+        motif = torch.randint(3, 300, (3 + i % 5,), generator=g).tolist()
+        out.append({"prompt_token_ids": (motif * (2 + i % 4))[: 6 + 3 * (i % 9)]})
+    return out
+
+
+def run(llm: LLM, reqs, params):
+    outs = llm.generate(reqs, params)
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason,
+             [{k: v.logprob for k, v in d.items()} for d in o.outputs[0].logprobs]) for o in outs]
+
+
+def test_proposer_finds_the_latest_match():
+    p = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1))
+    assert p.propose([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]) == [7, 5, 1]  # the later of two matches
+    assert p.propose([4, 5, 6]) == []
+    assert p.propose([8, 1, 8], k=2) == [1, 8]
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_same_tokens_and_logprobs_with_and_without_speculation(llama_dir, sampling):
+    reqs = prompts(32)
+    params = [SamplingParams(temperature=0.0 if sampling == "greedy" else 0.3, seed=None if sampling == "greedy" else i,
+                             max_tokens=10 + 7 * (i % 5), logprobs=2, ignore_eos=True,
+                             stop=["zz"] if i % 7 == 3 else None) for i in range(32)]
+    pool = 48 * 16 * 512  # 48 blocks of 16 tokens (512 bytes a token here): too few for 32 at once
+    base = LLM(llama_dir, max_num_batched_tokens=48, kv_cache_memory=pool)
+    spec = LLM(llama_dir, max_num_batched_tokens=48, kv_cache_memory=pool,
+               speculative_config={**NGRAM, "disable_by_batch_size": 64})
+    expected = run(base, reqs, params)
+    assert run(spec, reqs, params) == expected  # all 32 at once: batching, chunked prefill
+    assert spec.engine.spec_accepted > 0, "no guess was ever accepted: the test would prove nothing"
+    assert spec.engine.scheduler.num_preemptions > 0
+    alone = LLM(llama_dir, speculative_config=NGRAM)
+    for i in (0, 5, 13):
+        assert run(alone, [reqs[i]], params[i]) == [expected[i]]
+
+
+def test_default_model_greedy_identity(default_gguf):
+    text = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
+    prompt = [{"role": "user", "content": f"Repeat this code exactly:\n{text}"}]
+    params = SamplingParams(temperature=0, max_tokens=48, logprobs=1)
+    base = LLM(default_gguf).chat(prompt, params)[0].outputs[0]
+    spec = LLM(default_gguf, speculative_config=NGRAM)
+    out = spec.chat(prompt, params)[0].outputs[0]
+    assert out.token_ids == base.token_ids
+    assert [{k: v.logprob for k, v in d.items()} for d in out.logprobs] == \
+           [{k: v.logprob for k, v in d.items()} for d in base.logprobs]
+    assert spec.engine.spec_accepted > 0
+
+
+def test_bad_config_is_a_clear_error(llama_dir):
+    with pytest.raises(InvalidRequestError, match="num_speculative_tokens"):
+        LLM(llama_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(InvalidRequestError, match="method"):
+        LLM(llama_dir, speculative_config={"method": "medusa"})
