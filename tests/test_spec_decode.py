@@ -73,3 +73,16 @@ def test_bad_config_is_a_clear_error(llama_dir):
         LLM(llama_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 0})
     with pytest.raises(InvalidRequestError, match="method"):
         LLM(llama_dir, speculative_config={"method": "medusa"})
+
+
+def test_a_sequence_whose_guesses_miss_stops_guessing(llama_dir):
+    """Sampled at temperature 1 the random model rarely picks the looked-up token: after a
+    few misses the sequence guesses again only every retry_after steps."""
+    llm = LLM(llama_dir, speculative_config={**NGRAM, "retry_after": 16})
+    motif = [7, 8, 9, 10]
+    out = llm.generate({"prompt_token_ids": motif * 8},
+                       SamplingParams(temperature=1.0, seed=3, max_tokens=64, ignore_eos=True))[0]
+    e = llm.engine
+    assert len(out.outputs[0].token_ids) == 64
+    assert 0 < e.spec_proposed <= 4 * (3 + 64 // 16)  # a few early tries, then one every 16 steps
+    assert e.spec_accepted < e.spec_proposed / 2

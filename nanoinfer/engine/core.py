@@ -255,8 +255,10 @@ class LLMEngine:
 
     def _propose(self) -> None:
         """Proposed next tokens for each decoding sequence, unless the batch is large enough
-        that the step is compute-bound (SpeculativeConfig.disable_by_batch_size). Not for rows
-        under a grammar (their masks would have to follow the guesses) or with forks pending."""
+        that the step is compute-bound (SpeculativeConfig.disable_by_batch_size) or the
+        sequence's recent guesses mostly missed (min_hit_rate, retried every retry_after
+        steps). Not for rows under a grammar (their masks would have to follow the guesses)
+        or with forks pending."""
         running = self.scheduler.running
         decoding = [s for s in running if s.num_computed == s.length - 1]
         if len(decoding) >= self.spec.disable_by_batch_size:
@@ -264,10 +266,15 @@ class LLMEngine:
         for seq in decoding:
             if seq.grammar is not None or seq.forks or seq.finished:
                 continue
+            seq.spec_idle_steps += 1
+            if seq.spec_hit_rate < self.spec.min_hit_rate and seq.spec_idle_steps < self.spec.retry_after:
+                continue  # its guesses have been missing: checking them costs more than they save
             room = min(self.max_model_len - seq.length,
                        (seq.params.max_tokens - len(seq.output_ids)) if seq.params.max_tokens else 1 << 30) - 1
             seq.spec_tokens = self.proposer.propose(seq.all_ids, min(self.spec.num_speculative_tokens, room))
             self.spec_proposed += len(seq.spec_tokens)
+            if seq.spec_tokens:
+                seq.spec_idle_steps = 0
 
     def _verify(self, seq: Sequence, logits: torch.Tensor, argmax: list, rows: range) -> list[StreamDelta]:
         """Sample position by position, as the sequence would without speculation (the rows'
@@ -284,6 +291,7 @@ class LLMEngine:
             if j == len(spec) or delta.token_ids[0] != spec[j]:
                 break
             matched += 1
+        seq.spec_hit_rate = 0.7 * seq.spec_hit_rate + 0.3 * matched / len(spec)
         seq.spec_tokens = []
         self.spec_accepted += matched
         if not seq.finished:  # the accepted tokens' KV is in the cache; the last token's is not yet

@@ -133,6 +133,8 @@ class Sequence:
     tool_use: ToolUseState | None = None
     grammar: Matcher | None = None  # its structured-output constraint, advanced token by token
     spec_tokens: list[int] = field(default_factory=list)  # proposed next tokens, checked in this step's forward
+    spec_hit_rate: float = 1.0  # running share of its proposed tokens that were accepted
+    spec_idle_steps: int = 0  # steps since it last speculated
     output_ids: list[int] = field(default_factory=list)
     output_mask: list[int] = field(default_factory=list)
     text: str = ""

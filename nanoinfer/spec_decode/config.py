@@ -19,6 +19,11 @@ class SpeculativeConfig:
     # speculative_disable_by_batch_size): a batch that large keeps the CPU busy computing, so
     # checking guesses costs more than the weight reads it saves.
     disable_by_batch_size: int = 4
+    # A sequence speculates while the running share of its guesses that were accepted stays at
+    # least this (checking k guesses costs a step about 1 + k/2 plain ones on a CPU, so below
+    # ~1/2 guessing loses), and tries again every `retry_after` steps.
+    min_hit_rate: float = 0.5
+    retry_after: int = 16
 
     @classmethod
     def of(cls, value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:
@@ -35,12 +40,16 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise InvalidRequestError(f"speculative_config method {self.method!r}: one of {', '.join(METHODS)}",
                                       param="speculative_config.method")
-        ints = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
+        ints = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
+                "retry_after")
         for name in ints:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidRequestError(f"speculative_config {name}={value!r} must be an integer >= 1",
                                           param=f"speculative_config.{name}")
+        if not isinstance(self.min_hit_rate, (int, float)) or not 0.0 <= self.min_hit_rate <= 1.0:
+            raise InvalidRequestError(f"speculative_config min_hit_rate={self.min_hit_rate!r} must be in [0, 1]",
+                                      param="speculative_config.min_hit_rate")
         if self.num_speculative_tokens > 16:
             raise InvalidRequestError("speculative_config num_speculative_tokens must be at most 16",
                                       param="speculative_config.num_speculative_tokens")
