@@ -61,6 +61,7 @@ class Scheduler:
         self.blocks.free_table(seq.block_table)
         seq.num_computed = 0
         seq.block_hashes.clear()
+        seq.spec_tokens.clear()  # guesses ride only on a decode; it comes back as a prefill
         self.running.remove(seq)
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -79,7 +80,6 @@ class Scheduler:
             while not self.blocks.can_allocate(self._blocks_for(seq, n)) and self.running[-1] is not seq:
                 self.preempt(self.running[-1])
             if not self.blocks.can_allocate(self._blocks_for(seq, n)):
-                seq.spec_tokens.clear()
                 self.preempt(seq)  # nothing newer left to take blocks from
                 break
             self._reserve(seq, n)
