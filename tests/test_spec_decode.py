@@ -86,3 +86,48 @@ def test_a_sequence_whose_guesses_miss_stops_guessing(llama_dir):
     assert len(out.outputs[0].token_ids) == 64
     assert 0 < e.spec_proposed <= 4 * (3 + 64 // 16)  # a few early tries, then one every 16 steps
     assert e.spec_accepted < e.spec_proposed / 2
+
+
+def test_sampled_distribution_is_the_targets(llama_dir):
+    """The second sampled token (the first one a guess can decide) over 1500 seeds, with
+    speculation, against its exact distribution under the target, sum over t1 of
+    p(t1) p(t2 | t1) at temperature 0.5: total variation within what 1500 exact draws from the
+    target give (simulated). Every row guesses the same token; accepting every guess instead
+    would put all the mass there, far outside that bound."""
+    from nanoinfer.models.batch import ForwardBatch
+
+    T, N = 0.5, 1500
+    prompt = [41, 42, 43, 41, 42, 43, 41, 42, 43, 41, 42]
+    llm = LLM(llama_dir, max_num_seqs=256, max_num_batched_tokens=2048,
+              speculative_config={**NGRAM, "disable_by_batch_size": 10 ** 6, "min_hit_rate": 0.0})
+
+    class Guess43:  # every decoding row guesses 43 for its next token, whatever came before
+        def propose(self, tokens, k=None):
+            return [43][:k]
+
+    llm.engine.proposer = Guess43()
+    outs = llm.generate([{"prompt_token_ids": prompt}] * N,
+                        [SamplingParams(temperature=T, seed=s, max_tokens=3, ignore_eos=True) for s in range(N)])
+    assert llm.engine.spec_proposed > 0
+    second = torch.tensor([o.outputs[0].token_ids[1] for o in outs])
+    model = llm.loaded.model
+    with torch.inference_mode():
+        p1 = torch.softmax(model(ForwardBatch.whole(torch.tensor(prompt)))[-1].double() / T, -1)
+        candidates = torch.nonzero(p1 > 1e-6).flatten().tolist()
+        target = torch.zeros_like(p1)
+        for t1 in candidates:
+            p2 = torch.softmax(model(ForwardBatch.whole(torch.tensor(prompt + [t1])))[-1].double() / T, -1)
+            target += p1[t1] * p2
+    empirical = torch.bincount(second, minlength=len(target)).double() / N
+    tv = 0.5 * (empirical - target).abs().sum().item()
+    # The threshold: how far N exact draws from the target land from it (20 trials, the
+    # largest, with 25% to spare); an exact sampler passes, a biased one does not.
+    g = torch.Generator().manual_seed(0)
+    noise = max(0.5 * (torch.bincount(torch.multinomial(target, N, replacement=True, generator=g),
+                                      minlength=len(target)).double() / N - target).abs().sum().item()
+                for _ in range(20))
+    assert tv < 1.25 * noise, (tv, noise)
+    naive = empirical.clone()  # accepting every guess: every row's second token is 43
+    naive[:] = 0
+    naive[43] = 1.0
+    assert 0.5 * (naive - target).abs().sum().item() > 3 * noise
