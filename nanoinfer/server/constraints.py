@@ -34,7 +34,8 @@ def _rename(param: str | None, field: str) -> str:
 
 
 def request_constraint(req: SamplingFields, tokenizer: TokenizerLike, tools: list[dict] | None = None
-                       ) -> StructuredOutputsParams | None:
+                       ) -> tuple[str, StructuredOutputsParams] | None:
+    """(the request field that carries it, the constraint), or None."""
     found: list[tuple[str, StructuredOutputsParams]] = []
     if req.structured_outputs is not None:
         if not isinstance(req.structured_outputs, dict):
@@ -53,7 +54,7 @@ def request_constraint(req: SamplingFields, tokenizer: TokenizerLike, tools: lis
             found.append(("tool_choice", tool_call_constraint(tools, req.tool_choice, tokenizer)))
     if len(found) > 1:
         raise APIError(f"one constraint per request: got {', '.join(name for name, _ in found)}", found[1][0])
-    return found[0][1] if found else None
+    return found[0] if found else None
 
 
 def _response_format(kind: str, extra: dict) -> StructuredOutputsParams | None:

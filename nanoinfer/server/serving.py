@@ -25,16 +25,6 @@ from .outputs import CompletionLogprobs, TokenText, chat_logprobs, sse, usage
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, message_dicts
 from .tool_calls import ToolCallParser, parse_tool_calls
 
-
-def _field_of(req: SamplingFields, param: str | None) -> str:
-    """A compile error's field as the request named the constraint."""
-    for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
-        if getattr(req, name, None) is not None:
-            return name if name != "structured_outputs" else (param or name)
-    if getattr(req, "response_format", None) is not None and req.response_format.type != "text":
-        return "response_format.json_schema.schema" if req.response_format.type == "json_schema" else "response_format"
-    return "tool_choice" if getattr(req, "tool_choice", None) not in (None, "none", "auto") else (param or "structured_outputs")
-
 logger = logging.getLogger("nanoinfer.server")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default; chat's default is "until the context is full"
 LONG_TEXT = 20_000  # characters: tokenize in a thread past this, so the event loop stays responsive
@@ -118,12 +108,15 @@ class Serving:
     async def constraint(self, req: SamplingFields, tools: list[dict] | None = None) -> StructuredOutputsParams | None:
         """The request's structured-output constraint, compiled here in a worker thread (cached
         by its text), so that the engine loop never waits on a compile."""
-        spec = request_constraint(req, self.tokenizer, tools)
-        if spec is not None:
-            try:
-                await asyncio.to_thread(self.engine.engine.structured.compile, spec)
-            except InvalidRequestError as e:
-                raise APIError(str(e), _field_of(req, e.param)) from None
+        found = request_constraint(req, self.tokenizer, tools)
+        if found is None:
+            return None
+        field, spec = found
+        try:
+            await asyncio.to_thread(self.engine.engine.structured.compile, spec)
+        except InvalidRequestError as e:  # named as the request carried it
+            param = {"structured_outputs": e.param, "response_format": "response_format.json_schema.schema"}.get(field)
+            raise APIError(str(e), param or field) from None
         return spec
 
     async def encode(self, fn, *args, **kwargs) -> list[int]:

@@ -392,6 +392,47 @@ QG_AVX2 inline __m256i load32(const uint8_t* b) {
 // chains of fused multiply-adds (one chain waits on the FMA latency). maddubs (u8 x s8 pairs
 // to int16) cannot saturate: |w| <= 128 and |x| <= 127. (Computing the scales of 8 blocks at
 // once, with the fp16 gathered into one vector, measured 10-15% slower than this.)
+// A 32-block's scale d (broadcast) and, for Q4_1 and Q5_1, its min m in lane 0 (d and m side
+// by side: one conversion).
+template <int T>
+QG_AVX2 inline void block_scales(const uint8_t* blk, __m256& dw, __m128& mw) {
+    if constexpr (T == Q4_1 || T == Q5_1) {
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(int32_t(rd32(blk))));
+        dw = _mm256_broadcastss_ps(dm);
+        mw = _mm_movehdup_ps(dm);
+    } else {
+        dw = _mm256_set1_ps(f16_avx2(blk));
+        mw = _mm_setzero_ps();
+    }
+}
+
+// A 32-block tile's start (x rows' values, scales and sums; zeroed accumulators, the mins in
+// lane 0 of a vector: a float array here went through general registers, slowly) and end (the
+// lanes summed in hsum8's tree, plus the mins, plus the bias), shared by the AVX2 and AVX-512 tiles.
+template <int T, int R, int C>
+QG_AVX2 inline void tile32_start(const Ctx& c, int64_t m0, const int8_t** xq, const float** xd, const float** xs,
+                                 __m256 (&acc)[C][R], __m128 (&mins)[C][R]) {
+    for (int i = 0; i < R; i++) {
+        xq[i] = c.q + (m0 + i) * c.K;
+        xd[i] = c.d + (m0 + i) * c.nb;
+        xs[i] = T == Q4_1 || T == Q5_1 ? c.s + (m0 + i) * c.nb : nullptr;
+        for (int j = 0; j < C; j++) {
+            acc[j][i] = _mm256_setzero_ps();
+            mins[j][i] = _mm_setzero_ps();
+        }
+    }
+}
+
+template <int T, int R, int C>
+QG_AVX2 inline void tile32_store(const Ctx& c, int64_t n, int64_t m0, __m256 (&acc)[C][R], __m128 (&mins)[C][R]) {
+    for (int j = 0; j < C; j++)
+        for (int i = 0; i < R; i++) {
+            float v = hsum8_avx2(acc[j][i]);
+            if constexpr (T == Q4_1 || T == Q5_1) v = opaque(v + _mm_cvtss_f32(mins[j][i]));
+            c.y[(m0 + i) * c.ldy + n + j] = c.bias ? v + c.bias[n + j] : v;
+        }
+}
+
 template <int T, int R, int C, bool PF>
 QG_AVX2 void tile32_avx2(const Ctx& c, int64_t n, int64_t m0) {
     constexpr int64_t size = T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : T == Q5_1 ? 24 : 34;
@@ -400,16 +441,8 @@ QG_AVX2 void tile32_avx2(const Ctx& c, int64_t n, int64_t m0) {
     const int8_t* xq[R];
     const float *xd[R], *xs[R];
     __m256 acc[C][R];
-    __m128 mins[C][R];  // lane 0 (a float array here went through general registers, slowly)
-    for (int i = 0; i < R; i++) {
-        xq[i] = c.q + (m0 + i) * c.K;
-        xd[i] = c.d + (m0 + i) * c.nb;
-        xs[i] = has_min ? c.s + (m0 + i) * c.nb : nullptr;
-        for (int j = 0; j < C; j++) {
-            acc[j][i] = _mm256_setzero_ps();
-            mins[j][i] = _mm_setzero_ps();
-        }
-    }
+    __m128 mins[C][R];
+    tile32_start<T, R, C>(c, m0, xq, xd, xs, acc, mins);
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t b = 0; b < c.nb; b++) {
         __m256i xv[R];  // this block of each x row, its scale and (Q4_1, Q5_1) its sum: loaded once for the C rows
@@ -424,14 +457,8 @@ QG_AVX2 void tile32_avx2(const Ctx& c, int64_t n, int64_t m0) {
             const uint8_t* blk = w + j * c.rb + b * size;
             if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch), _MM_HINT_T0);
             __m256 dw;
-            __m128 mw = _mm_setzero_ps();
-            if constexpr (has_min) {  // d and m side by side: one conversion
-                const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(int32_t(rd32(blk))));
-                dw = _mm256_broadcastss_ps(dm);
-                mw = _mm_movehdup_ps(dm);
-            } else {
-                dw = _mm256_set1_ps(f16_avx2(blk));
-            }
+            __m128 mw;
+            block_scales<T>(blk, dw, mw);
             const __m256i wv = load32<T>(blk);
             const __m256i aw = is_signed ? _mm256_sign_epi8(wv, wv) : wv;
             for (int i = 0; i < R; i++) {
@@ -443,12 +470,7 @@ QG_AVX2 void tile32_avx2(const Ctx& c, int64_t n, int64_t m0) {
             }
         }
     }
-    for (int j = 0; j < C; j++)
-        for (int i = 0; i < R; i++) {
-            float v = hsum8_avx2(acc[j][i]);
-            if constexpr (has_min) v = opaque(v + _mm_cvtss_f32(mins[j][i]));
-            c.y[(m0 + i) * c.ldy + n + j] = c.bias ? v + c.bias[n + j] : v;
-        }
+    tile32_store<T, R, C>(c, n, m0, acc, mins);
 }
 
 // vpshufb patterns: Q6_K's int8 scales g, g + 1 each 8 times (g even).
@@ -669,19 +691,6 @@ QG_AVX512 inline __m256i load32u(const uint8_t* b) {
     if constexpr (T == Q5_1) return _mm256_or_si256(nibbles(b + 8), _mm256_and_si256(bit_bytes(b + 4), _mm256_set1_epi8(16)));
 }
 
-// A block's scale d (broadcast) and, for Q4_1 and Q5_1, its min m in lane 0: as tile32_avx2.
-template <int T>
-QG_AVX512 inline void block_scales(const uint8_t* blk, __m256& dw, __m128& mw) {
-    if constexpr (T == Q4_1 || T == Q5_1) {
-        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(int32_t(rd32(blk))));
-        dw = _mm256_broadcastss_ps(dm);
-        mw = _mm_movehdup_ps(dm);
-    } else {
-        dw = _mm256_set1_ps(f16_avx2(blk));
-        mw = _mm_setzero_ps();
-    }
-}
-
 // tile32_avx2's outputs and arithmetic; blocks b and b + 1 share one vpdpbusd per x row.
 template <int T, int R, int C, bool PF>
 QG_AVX512 void tile32_avx512(const Ctx& c, int64_t n, int64_t m0) {
@@ -693,15 +702,7 @@ QG_AVX512 void tile32_avx512(const Ctx& c, int64_t n, int64_t m0) {
     const float *xd[R], *xs[R];
     __m256 acc[C][R];
     __m128 mins[C][R];
-    for (int i = 0; i < R; i++) {
-        xq[i] = c.q + (m0 + i) * c.K;
-        xd[i] = c.d + (m0 + i) * c.nb;
-        xs[i] = has_min ? c.s + (m0 + i) * c.nb : nullptr;
-        for (int j = 0; j < C; j++) {
-            acc[j][i] = _mm256_setzero_ps();
-            mins[j][i] = _mm_setzero_ps();
-        }
-    }
+    tile32_start<T, R, C>(c, m0, xq, xd, xs, acc, mins);
     // One block's contribution to output (j, i) from its exact integers p, as tile32_avx2 adds it.
     auto add = [&](int j, int i, __m256 dw, __m128 mw, __m256 xdb, __m128 xsb, __m256i p) QG_AVX512 {
         acc[j][i] = _mm256_fmadd_ps(_mm256_mul_ps(dw, xdb), _mm256_cvtepi32_ps(p), acc[j][i]);
@@ -753,12 +754,7 @@ QG_AVX512 void tile32_avx512(const Ctx& c, int64_t n, int64_t m0) {
             }
         }
     }
-    for (int j = 0; j < C; j++)
-        for (int i = 0; i < R; i++) {
-            float v = hsum8_avx2(acc[j][i]);
-            if constexpr (has_min) v = opaque(v + _mm_cvtss_f32(mins[j][i]));
-            c.y[(m0 + i) * c.ldy + n + j] = c.bias ? v + c.bias[n + j] : v;
-        }
+    tile32_store<T, R, C>(c, n, m0, acc, mins);
 }
 
 template <int T, bool PF>
