@@ -4,6 +4,7 @@ its KV blocks), and a narrow-screen layout.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -98,6 +99,22 @@ def test_send_message_and_see_streamed_reply(page, long_reply_model):
     assert page.locator(".msg.user").count() == 2
     page.click("#clear")
     assert page.locator(".msg").count() == 0
+
+
+def test_json_output_toggle(page):
+    """The settings' "JSON output" box asks for response_format json_object: even this tiny
+    random model's reply is then one JSON object (closed within its max_tokens)."""
+    set_settings(page, temperature=1, max_tokens=40)
+    page.check("#json")
+    page.fill("#input", "Describe a cat.")
+    page.click("#send")
+    page.wait_for_selector('.msg.assistant[data-state="done"]', timeout=30_000)
+    reply = page.text_content(".msg.assistant .bubble")
+    assert isinstance(json.loads(reply), dict), reply
+    page.reload()  # the choice is kept, like the other settings
+    assert page.is_checked("#json")
+    set_settings(page)
+    page.uncheck("#json")
 
 
 def test_stop_mid_reply_frees_kv_blocks(page, server):

@@ -221,7 +221,8 @@ class LLMEngine:
             seq.stats.forwards.append(ForwardStat(seq.num_computed, n, seconds))
         # Constrained rows: what their grammars disallow is -inf before anything samples (forks
         # sample their first token from their parent's row, in the same grammar state).
-        constrained = [(row, batch.seqs[i].grammar) for row, i in enumerate(samplers) if batch.seqs[i].grammar]
+        constrained = [(row, seq.grammar, seq.tokens_left) for row, i in enumerate(samplers)
+                       if (seq := batch.seqs[i]).grammar]
         if constrained:
             for row in self.structured.apply_masks(logits, constrained):
                 self._fail(batch.seqs[samplers[row]].request_id,
@@ -269,8 +270,7 @@ class LLMEngine:
             seq.spec_idle_steps += 1
             if seq.spec_hit_rate < self.spec.min_hit_rate and seq.spec_idle_steps < self.spec.retry_after:
                 continue  # its guesses have been missing: checking them costs more than they save
-            room = min(self.max_model_len - seq.length,
-                       (seq.params.max_tokens - len(seq.output_ids)) if seq.params.max_tokens else 1 << 30) - 1
+            room = seq.tokens_left - 1
             seq.spec_tokens = self.proposer.propose(seq.all_ids, min(self.spec.num_speculative_tokens, room))
             self.spec_proposed += len(seq.spec_tokens)
             if seq.spec_tokens:

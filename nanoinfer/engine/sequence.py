@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from ..sampling import Logprob, RowSampler, SamplingParams
-from ..structured import Matcher
+from ..structured import Constraint
 from ..tokenizer import IncrementalDetokenizer, StopMatcher
 from ..tools.tool_use import ToolUseState
 
@@ -131,7 +131,7 @@ class Sequence:
     eos_ids: frozenset[int]
     max_model_len: int
     tool_use: ToolUseState | None = None
-    grammar: Matcher | None = None  # its structured-output constraint, advanced token by token
+    grammar: Constraint | None = None  # its structured-output constraint, advanced token by token
     spec_tokens: list[int] = field(default_factory=list)  # proposed next tokens, checked in this step's forward
     spec_hit_rate: float = 1.0  # running share of its proposed tokens that were accepted
     spec_idle_steps: int = 0  # steps since it last speculated
@@ -167,6 +167,14 @@ class Sequence:
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def tokens_left(self) -> int:
+        """How many more tokens it may generate: max_tokens, then the context window."""
+        left = self.max_model_len - self.length
+        if self.params.max_tokens is not None:
+            left = min(left, self.params.max_tokens - len(self.output_ids))
+        return left
 
     def token_slice(self, start: int, end: int) -> list[int]:
         p = len(self.prompt_ids)

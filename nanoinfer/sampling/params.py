@@ -36,6 +36,9 @@ class StructuredOutputsParams:
     # mode, vLLM's default backend; OpenAI's strict schemas say it outright): otherwise a small
     # model invents extra keys and runs out of tokens inside them.
     disable_additional_properties: bool = True
+    # A JSON value still open when the token budget nears its end is closed by the shortest
+    # valid route rather than cut off (structured/budget.py): finish_reason "stop", valid JSON.
+    close_within_budget: bool = True
 
     def __post_init__(self) -> None:
         given = [k for k in ("json", "regex", "choice", "grammar", "json_object")
@@ -73,7 +76,7 @@ class StructuredOutputsParams:
         if len(text) > MAX_CONSTRAINT_CHARS:
             raise InvalidRequestError(f"the {kind} constraint is longer than {MAX_CONSTRAINT_CHARS} characters",
                                       param=param)
-        for flag in ("disable_any_whitespace", "disable_additional_properties"):
+        for flag in ("disable_any_whitespace", "disable_additional_properties", "close_within_budget"):
             if not isinstance(getattr(self, flag), bool):
                 raise InvalidRequestError(f"{flag} must be true or false", param=f"structured_outputs.{flag}")
         self._kind, self._text = kind, text

@@ -6,6 +6,6 @@ constraint, hand each constrained sequence its matcher, mask a step's logits. Th
 engine behind it is llguidance (llguidance_backend.py), behind the small interface of
 backend.py."""
 from .backend import Compiled, GrammarBackend, Matcher
-from .manager import StructuredOutputs
+from .manager import Constraint, StructuredOutputs
 
-__all__ = ["Compiled", "GrammarBackend", "Matcher", "StructuredOutputs"]
+__all__ = ["Compiled", "Constraint", "GrammarBackend", "Matcher", "StructuredOutputs"]

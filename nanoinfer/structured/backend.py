@@ -1,8 +1,9 @@
 """What the engine asks of a grammar engine: compile a constraint once (cached by its text),
-give each constrained sequence a matcher of its own, and per step the mask of allowed tokens.
+give each constrained sequence a matcher of its own, and per step the mask of allowed tokens;
+the budget rule (budget.py) also checks single tokens on copies of a matcher.
 
-One implementation today (llguidance_backend.py); xgrammar would be another class with the
-same three members. Compiling is the slow part (milliseconds to seconds for a large
+One implementation today (llguidance_backend.py); xgrammar would be another set of classes
+with the same members. Compiling is the slow part (milliseconds to seconds for a large
 schema), so callers compile before a request reaches the engine loop (`StructuredOutputs.compile`
 from the server's worker threads, or `LLM.generate` before its first step)."""
 from __future__ import annotations
@@ -29,6 +30,22 @@ class Matcher(Protocol):
         """The grammar is complete and allows nothing more: the output ends here."""
         ...
 
+    def is_accepting(self) -> bool:
+        """The output could end here (an end-of-sequence token is allowed)."""
+        ...
+
+    def allows(self, token: int) -> bool:
+        """Whether `token` may come next (without advancing)."""
+        ...
+
+    def forced_tokens(self) -> list[int]:
+        """The tokens the grammar allows no alternative to from here (may be empty)."""
+        ...
+
+    def copy(self) -> Matcher:
+        """An independent matcher in the same state."""
+        ...
+
 
 class Compiled(Protocol):
     """A compiled constraint; `matcher()` is cheap and independent of other matchers."""
@@ -39,6 +56,10 @@ class Compiled(Protocol):
 
 class GrammarBackend(Protocol):
     name: str
+
+    def token_bytes(self, token: int) -> bytes:
+        """The text a token stands for, as the grammar engine reads it."""
+        ...
 
     def compile(self, spec: StructuredOutputsParams) -> Compiled:
         """Raises InvalidRequestError (with the spec's field as param) for a constraint the

@@ -84,6 +84,18 @@ class LLGuidanceMatcher:
     def is_terminated(self) -> bool:
         return self.m.is_stopped()
 
+    def is_accepting(self) -> bool:
+        return self.m.is_accepting()
+
+    def allows(self, token: int) -> bool:
+        return self.m.validate_tokens([token]) == 1
+
+    def forced_tokens(self) -> list[int]:
+        return self.m.compute_ff_tokens()
+
+    def copy(self) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(self.m.deep_copy())
+
 
 @dataclass
 class LLGuidanceCompiled:
@@ -98,6 +110,9 @@ class LLGuidanceBackend:
 
     def __init__(self, tokenizer: llguidance.LLTokenizer):
         self.tokenizer = tokenizer
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.tokenizer.decode_bytes([token])
 
     def compile(self, spec: StructuredOutputsParams) -> LLGuidanceCompiled:
         grammar = _grammar_text(spec)

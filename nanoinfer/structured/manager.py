@@ -13,6 +13,7 @@ import torch
 from ..sampling import StructuredOutputsParams
 from ..tokenizer import TokenizerLike
 from .backend import Compiled, GrammarBackend, Matcher
+from .budget import LOOKAHEAD, MARGIN, JsonCloser, JsonScan
 
 CACHE_SIZE = 256  # compiled constraints kept (least recently used dropped)
 
@@ -26,6 +27,7 @@ class StructuredOutputs:
         self._lock = threading.Lock()  # compile() is called from the server's worker threads too
         self.mask_seconds = 0.0  # time spent computing and applying masks (the bench reports it)
         self.mask_rows = 0
+        self._closer: JsonCloser | None = None
 
     @property
     def backend(self) -> GrammarBackend:
@@ -53,23 +55,88 @@ class StructuredOutputs:
                 self._cache.popitem(last=False)
         return compiled
 
-    def matcher(self, spec: StructuredOutputsParams) -> Matcher:
-        return self.compile(spec).matcher()
+    @property
+    def closer(self) -> JsonCloser:
+        if self._closer is None:
+            backend = self.backend
+            tok = self.tokenizer
+            special = {i for i in range(min(tok.vocab_size, self.vocab_size)) if tok.is_special(i)}
+            special |= set(range(tok.vocab_size, self.vocab_size))
+            self._closer = JsonCloser([backend.token_bytes(i) for i in range(self.vocab_size)], special,
+                                      sorted(tok.eos_token_ids))
+        return self._closer
 
-    def apply_masks(self, logits: torch.Tensor, rows: list[tuple[int, Matcher]]) -> list[int]:
-        """Set to -inf every logit of rows[i][0] that its matcher disallows (logits: CPU fp32
-        [R, V]). Returns the rows whose grammar allows no token at all (their requests fail)."""
+    def matcher(self, spec: StructuredOutputsParams) -> Constraint:
+        closes = spec.close_within_budget and spec.kind in ("json", "json_object")
+        return Constraint(self.compile(spec).matcher(), self.closer if closes else None)
+
+    def apply_masks(self, logits: torch.Tensor, rows: list[tuple[int, Constraint, int]]) -> list[int]:
+        """Set to -inf every logit of rows[i][0] that its constraint disallows (logits: CPU fp32
+        [R, V]); rows[i][2] is how many tokens that row may still generate. Returns the rows
+        whose grammar allows no token at all (their requests fail)."""
         t0 = time.perf_counter()
         V = logits.shape[1]
         words = np.zeros((len(rows), (V + 31) // 32), dtype=np.uint32)
-        for i, (_, m) in enumerate(rows):
-            m.fill_mask(words[i])
+        for i, (_, c, remaining) in enumerate(rows):
+            c.check_budget(remaining)
+            c.fill_mask(words[i])
         allowed = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :V].astype(bool)
         lg = logits.numpy()
-        index = [r for r, _ in rows]
+        index = [r for r, _, _ in rows]
         sub = lg[index]
         sub[~allowed] = -np.inf
         lg[index] = sub
         self.mask_seconds += time.perf_counter() - t0
         self.mask_rows += len(rows)
-        return [r for (r, _), ok in zip(rows, allowed.any(axis=1)) if not ok]
+        return [r for (r, _, _), ok in zip(rows, allowed.any(axis=1)) if not ok]
+
+
+class Constraint:
+    """One sequence's constraint: its grammar matcher, and for JSON the closing plan it follows
+    once its token budget nears its end (budget.py)."""
+
+    __slots__ = ("matcher", "closer", "scan", "plan", "next_check", "margin", "closed")
+
+    def __init__(self, matcher: Matcher, closer: JsonCloser | None):
+        self.matcher = matcher
+        self.closer = closer
+        self.scan = JsonScan()
+        self.plan: list[int] = []  # forced next tokens, once closing started
+        self.next_check = LOOKAHEAD  # remaining budget at which to plan again
+        self.margin = -1  # room kept for what one free token adds to the plan (set at the first look)
+        self.closed = False  # it followed a closing plan
+
+    def check_budget(self, remaining: int) -> None:
+        """Start following a closing plan if the value must start closing now to fit."""
+        if self.closer is None or self.plan or remaining > self.next_check:
+            return
+        if self.margin < 0:  # first look: a short request keeps less room
+            self.margin = max(2, min(MARGIN, remaining // 8))
+        plan = self.closer.plan(self.matcher, self.scan, remaining)
+        if plan is None:  # does not fit: the model would have to close more than it writes,
+            self.next_check = remaining // 2  # which is rare, so look again only at half the budget
+            return
+        gap = remaining - len(plan) - self.margin
+        if gap <= 0:
+            self.plan, self.closed = plan, True
+        else:  # the plan changes slowly as the model writes: look again when half the gap is used
+            self.next_check = remaining - max(1, gap // 2)
+
+    def fill_mask(self, out: np.ndarray) -> None:
+        if self.plan:
+            out[:] = 0
+            out[self.plan[0] // 32] = np.uint32(1 << (self.plan[0] % 32))
+        else:
+            self.matcher.fill_mask(out)
+
+    def accept(self, token: int) -> bool:
+        if not self.matcher.accept(token):
+            return False
+        if self.closer is not None:
+            self.scan.feed(self.closer.token_bytes[token])
+            if self.plan:
+                self.plan = self.plan[1:] if self.plan[0] == token else []
+        return True
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
