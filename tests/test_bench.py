@@ -246,8 +246,11 @@ def test_bench_throughput_structured(make_hf_model, capsys):
     _, path = make_hf_model("llama")
     doc, out = run_bench(capsys, ["throughput", "--model", str(path), "-n", "4", "--min-input-len", "3",
                                   "--max-input-len", "12", "--min-output-len", "8", "--max-output-len", "16",
-                                  "--structured", "json"])
+                                  "--structured", "json", "--rounds", "3"])
     free, js = doc["results"]["nanoinfer"], doc["results"]["nanoinfer_json"]
+    rounds = doc["rounds_output_tok_s"]  # alternated; the table's runs are each side's median
+    assert len(rounds) == 3 and free["output_tok_s"] == sorted(f for f, _ in rounds)[1]
+    assert js["output_tok_s"] == sorted(c for _, c in rounds)[1]
     assert js["output_tokens"] == free["output_tokens"] and js["closed_early"] == 0
     assert js["structured"] == "json" and js["mask_ms_per_step"] > 0
     assert doc["ratio_structured_output_tok_s"] == pytest.approx(js["output_tok_s"] / free["output_tok_s"])

@@ -77,6 +77,9 @@ def _add_commands(sub) -> None:
     add_speculative_arg(thr)
     thr.add_argument("--structured", default=None, choices=["json"],
                      help="also run every request under a JSON schema and compare (structured outputs)")
+    thr.add_argument("--rounds", type=int, default=1,
+                     help="with --structured: alternate the free and the constrained run this many times and "
+                          "compare their medians (the machine's speed drifts between runs)")
     thr.add_argument("--hf-batch-size", type=int, default=None,
                      help="static batch size for transformers (default min(32, N))")
     thr.set_defaults(func=_throughput)
