@@ -1,6 +1,7 @@
-"""Speculative decoding (n-gram prompt lookup): the same tokens and the same logprob bits as
-without it, greedy and seeded-sampled, alone and among 31 other requests, with chunked
-prefill, preemption, stop strings and max_tokens cutting a run of accepted guesses short."""
+"""Speculative decoding (n-gram prompt lookup and a draft model): the same tokens and the
+same logprob bits as without it, greedy and seeded-sampled, alone and among 31 other
+requests, with chunked prefill, preemption, stop strings and max_tokens cutting a run of
+accepted guesses short."""
 from __future__ import annotations
 
 import pytest
@@ -36,21 +37,36 @@ def test_proposer_finds_the_latest_match():
     assert p.propose([8, 1, 8], k=2) == [1, 8]
 
 
+def spec_config(method: str, make_hf_model) -> dict:
+    """ngram; a draft that is the target itself (every greedy guess right: long accepted runs);
+    another tiny random model with the same vocabulary (guesses mostly wrong: rejections)."""
+    if method == "ngram":
+        return NGRAM
+    draft = make_hf_model("llama")[1] if method == "draft_self" else make_hf_model("llama", tie=True)[1]
+    return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3, "min_hit_rate": 0.0}
+
+
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
-def test_same_tokens_and_logprobs_with_and_without_speculation(llama_dir, sampling):
+@pytest.mark.parametrize("method", ["ngram", "draft_self", "draft_other"])
+def test_same_tokens_and_logprobs_with_and_without_speculation(llama_dir, make_hf_model, sampling, method):
+    config = spec_config(method, make_hf_model)
     reqs = prompts(32)
     params = [SamplingParams(temperature=0.0 if sampling == "greedy" else 0.3, seed=None if sampling == "greedy" else i,
                              max_tokens=10 + 7 * (i % 5), logprobs=2, ignore_eos=True,
                              stop=["zz"] if i % 7 == 3 else None) for i in range(32)]
-    pool = 48 * 16 * 512  # 48 blocks of 16 tokens (512 bytes a token here): too few for 32 at once
+    pool = 20 * 16 * 512  # 20 blocks of 16 tokens (512 bytes a token here): too few for 32 at once
     base = LLM(llama_dir, max_num_batched_tokens=48, kv_cache_memory=pool)
     spec = LLM(llama_dir, max_num_batched_tokens=48, kv_cache_memory=pool,
-               speculative_config={**NGRAM, "disable_by_batch_size": 64})
+               speculative_config={**config, "disable_by_batch_size": 64})
     expected = run(base, reqs, params)
     assert run(spec, reqs, params) == expected  # all 32 at once: batching, chunked prefill
     assert spec.engine.spec_accepted > 0, "no guess was ever accepted: the test would prove nothing"
     assert spec.engine.scheduler.num_preemptions > 0
-    alone = LLM(llama_dir, speculative_config=NGRAM)
+    if method != "ngram":  # every draft block is given back once nothing runs
+        assert spec.engine.proposer.blocks.num_used == 0 and not spec.engine.proposer.seqs
+    if method == "draft_other":
+        assert spec.engine.spec_accepted < spec.engine.spec_proposed / 2
+    alone = LLM(llama_dir, speculative_config=config)
     for i in (0, 5, 13):
         assert run(alone, [reqs[i]], params[i]) == [expected[i]]
 
@@ -68,11 +84,32 @@ def test_default_model_greedy_identity(default_gguf):
     assert spec.engine.spec_accepted > 0
 
 
+def test_default_model_drafting_for_itself(default_gguf):
+    """The default model as its own draft: every greedy guess is right, so each step accepts
+    all k guesses and the bonus token; the output and its logprobs are the plain engine's."""
+    prompt = [{"role": "user", "content": "Name three colours."}]
+    params = SamplingParams(temperature=0, max_tokens=40, logprobs=1)
+    base = LLM(default_gguf).chat(prompt, params)[0].outputs[0]
+    spec = LLM(default_gguf, speculative_config={"method": "draft_model", "model": str(default_gguf),
+                                                 "num_speculative_tokens": 4})
+    out = spec.chat(prompt, params)[0].outputs[0]
+    assert out.token_ids == base.token_ids
+    assert [{k: v.logprob for k, v in d.items()} for d in out.logprobs] == \
+           [{k: v.logprob for k, v in d.items()} for d in base.logprobs]
+    e = spec.engine
+    assert e.spec_accepted == e.spec_proposed > 0
+    assert e.total_steps <= 2 + len(out.token_ids) // 5 + 1  # prefill, then k + 1 tokens a step
+
+
 def test_bad_config_is_a_clear_error(llama_dir):
     with pytest.raises(InvalidRequestError, match="num_speculative_tokens"):
         LLM(llama_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 0})
     with pytest.raises(InvalidRequestError, match="method"):
         LLM(llama_dir, speculative_config={"method": "medusa"})
+    with pytest.raises(InvalidRequestError):
+        LLM(llama_dir, speculative_config={"method": "draft_model"})  # no model
+    with pytest.raises(Exception, match="no such file"):
+        LLM(llama_dir, speculative_config={"method": "draft_model", "model": "/nonexistent/draft"})
 
 
 def test_a_sequence_whose_guesses_miss_stops_guessing(llama_dir):
@@ -102,8 +139,11 @@ def test_sampled_distribution_is_the_targets(llama_dir):
               speculative_config={**NGRAM, "disable_by_batch_size": 10 ** 6, "min_hit_rate": 0.0})
 
     class Guess43:  # every decoding row guesses 43 for its next token, whatever came before
-        def propose(self, tokens, k=None):
-            return [43][:k]
+        def propose_many(self, requests):
+            return [[43][:k] for _, _, k in requests]
+
+        def retain(self, keys):
+            pass
 
     llm.engine.proposer = Guess43()
     outs = llm.generate([{"prompt_token_ids": prompt}] * N,

@@ -27,6 +27,7 @@ from ..spec_decode import NgramProposer, SpeculativeConfig
 from ..structured import StructuredOutputs
 from ..tokenizer import IncrementalDetokenizer, StopMatcher
 from ..tools.tool_use import ToolUseState, bind_tools
+from .draft import DraftModelProposer
 from .runner import ModelRunner
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import ForwardStat, RequestOutput, Sequence, StreamDelta
@@ -112,7 +113,12 @@ class LLMEngine:
         self.tools = bind_tools(self.tokenizer) if config.enable_tools else []
         self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size)
         self.spec = SpeculativeConfig.of(config.speculative_config)
-        self.proposer = NgramProposer(self.spec) if self.spec else None
+        self.proposer: NgramProposer | DraftModelProposer | None = None
+        if self.spec is not None and self.spec.method == "ngram":
+            self.proposer = NgramProposer(self.spec)
+        elif self.spec is not None:
+            self.proposer = DraftModelProposer(self.spec, loaded, num_blocks, config.block_size, self.max_model_len,
+                                               self.kv_dtype)
         self.spec_proposed = self.spec_accepted = 0  # proposed and accepted tokens, for metrics
         self.requests: dict[str, list[Sequence]] = {}
         self.failures: dict[str, RequestFailedError] = {}  # requests ended by an internal error, until taken
@@ -252,6 +258,8 @@ class LLMEngine:
                     deltas.append(self._sample(seq, logits[rows[0]], argmax[rows[0]]))
             except Exception as e:
                 self._fail(seq.request_id, e)
+        if self.proposer is not None and not self.scheduler.running:
+            self.proposer.retain(set())  # nothing runs: a draft model gives its blocks back
         return [d for d in deltas if d.request_id not in self.failures] if self.failures else deltas
 
     def _propose(self) -> None:
@@ -261,19 +269,25 @@ class LLMEngine:
         steps). Not for rows under a grammar (their masks would have to follow the guesses)
         or with forks pending."""
         running = self.scheduler.running
+        self.proposer.retain({(s.request_id, s.index) for s in running})
         decoding = [s for s in running if s.num_computed == s.length - 1]
         if len(decoding) >= self.spec.disable_by_batch_size:
             return
+        asking = []
         for seq in decoding:
             if seq.grammar is not None or seq.forks or seq.finished:
                 continue
             seq.spec_idle_steps += 1
             if seq.spec_hit_rate < self.spec.min_hit_rate and seq.spec_idle_steps < self.spec.retry_after:
                 continue  # its guesses have been missing: checking them costs more than they save
-            room = seq.tokens_left - 1
-            seq.spec_tokens = self.proposer.propose(seq.all_ids, min(self.spec.num_speculative_tokens, room))
-            self.spec_proposed += len(seq.spec_tokens)
-            if seq.spec_tokens:
+            asking.append(seq)
+        guesses = self.proposer.propose_many([((s.request_id, s.index), s.all_ids,
+                                               min(self.spec.num_speculative_tokens, s.tokens_left - 1))
+                                              for s in asking])
+        for seq, spec in zip(asking, guesses):
+            seq.spec_tokens = spec
+            self.spec_proposed += len(spec)
+            if spec:
                 seq.spec_idle_steps = 0
 
     def _verify(self, seq: Sequence, logits: torch.Tensor, argmax: list, rows: range) -> list[StreamDelta]:

@@ -3,6 +3,8 @@ every guess in the same forward as the other rows' work (engine/core.py).
 
 - `SpeculativeConfig` (config.py): vLLM's `speculative_config`, validated.
 - `NgramProposer` (ngram.py): prompt lookup, the last n tokens matched against earlier text.
+- The draft-model proposer runs a model, so it lives with the engine (engine/draft.py); both
+  answer `propose_many(requests)` and `retain(keys)`.
 
 Exactness lives in the engine: a proposed token is accepted exactly when it equals the token
 the target samples at that position, sampled as it would be without speculation (same logits

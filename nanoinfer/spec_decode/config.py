@@ -1,18 +1,20 @@
 """vLLM's `speculative_config`: {"method": "ngram", "num_speculative_tokens": 4,
-"prompt_lookup_max": 4, "prompt_lookup_min": 2}."""
+"prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"method": "draft_model", "model": PATH,
+"num_speculative_tokens": 4}."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..errors import InvalidRequestError
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 
 
 @dataclass
 class SpeculativeConfig:
     method: str = "ngram"
     num_speculative_tokens: int = 4
+    model: str | None = None  # draft_model: the draft's path (any format nanoinfer loads; the target's vocabulary)
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     # Steps with at least this many decoding sequences do not speculate (vLLM's
@@ -50,6 +52,11 @@ class SpeculativeConfig:
         if not isinstance(self.min_hit_rate, (int, float)) or not 0.0 <= self.min_hit_rate <= 1.0:
             raise InvalidRequestError(f"speculative_config min_hit_rate={self.min_hit_rate!r} must be in [0, 1]",
                                       param="speculative_config.min_hit_rate")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise InvalidRequestError("speculative_config model: a path with method draft_model, none otherwise",
+                                      param="speculative_config.model")
+        if self.model is not None and not isinstance(self.model, str):
+            raise InvalidRequestError("speculative_config model must be a path", param="speculative_config.model")
         if self.num_speculative_tokens > 16:
             raise InvalidRequestError("speculative_config num_speculative_tokens must be at most 16",
                                       param="speculative_config.num_speculative_tokens")

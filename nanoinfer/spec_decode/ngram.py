@@ -14,6 +14,13 @@ class NgramProposer:
         self.k = config.num_speculative_tokens
         self.n_max, self.n_min = config.prompt_lookup_max, config.prompt_lookup_min
 
+    def propose_many(self, requests: list[tuple[tuple[str, int], list[int], int]]) -> list[list[int]]:
+        """For each (sequence key, its tokens, k): up to k proposed tokens."""
+        return [self.propose(tokens, k) for _, tokens, k in requests]
+
+    def retain(self, keys: set[tuple[str, int]]) -> None:
+        """Nothing is kept per sequence."""
+
     def propose(self, tokens: list[int], k: int | None = None) -> list[int]:
         """Up to k tokens (default num_speculative_tokens) to follow `tokens`; [] when no
         n-gram matches."""

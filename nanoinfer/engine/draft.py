@@ -1,0 +1,113 @@
+"""The draft-model proposer: a smaller model with the same vocabulary guesses the next k
+tokens of each speculating sequence, greedily, in its own paged KV cache.
+
+Each target sequence gets a draft sequence (its tokens, its block table in the draft's
+pool). Before a step the draft catches up with what the target accepted since the last
+step (the KV of its rejected guesses is simply overwritten: only the positions whose
+tokens still agree with the target count as computed), then runs k single-token steps,
+every speculating sequence in one batch. It lives in the engine package because it runs a
+model through the engine's own runner and block manager, as the target does."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..attention import PagedKVCache
+from ..errors import InvalidRequestError
+from ..kernels.quant_linear import has_block_weights
+from ..models.builder import LoadedModel, load_model
+from ..spec_decode import SpeculativeConfig
+from .batch import ScheduledBatch
+from .kv_manager import BlockManager
+from .runner import ModelRunner
+
+
+@dataclass
+class DraftSequence:
+    """What the runner reads of a sequence, for the draft model's copy of a target sequence."""
+
+    tokens: list[int]
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0  # leading tokens whose draft KV is valid
+    spec_tokens: list[int] = field(default_factory=list)  # always empty: the draft does not speculate
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        return self.tokens[start:end]
+
+
+def same_vocabulary(a, b) -> bool:
+    return a.vocab_size == b.vocab_size and all(a.id_to_token(i) == b.id_to_token(i) for i in range(a.vocab_size))
+
+
+class DraftModelProposer:
+    def __init__(self, config: SpeculativeConfig, target: LoadedModel, num_blocks: int, block_size: int,
+                 max_model_len: int, kv_dtype: torch.dtype):
+        """num_blocks: as many as the target's pool (a draft block per target block)."""
+        self.k = config.num_speculative_tokens
+        device = next(target.model.parameters()).device
+        dtype = None if has_block_weights(target.model) else next(target.model.parameters()).dtype
+        self.loaded = draft = load_model(config.model, dtype=dtype, device=device)
+        if not same_vocabulary(draft.tokenizer, target.tokenizer) or draft.config.vocab_size > target.config.vocab_size:
+            raise InvalidRequestError(f"the draft model {config.model} does not share the target's vocabulary",
+                                      param="speculative_config.model")
+        mc = draft.config
+        self.cache = PagedKVCache.allocate(mc.num_layers, num_blocks, block_size, mc.num_kv_heads, mc.head_dim,
+                                           kv_dtype, device)
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.runner = ModelRunner(draft.model, mc, self.cache)
+        self.max_len = min(max_model_len, mc.max_position_embeddings)
+        self.seqs: dict[tuple[str, int], DraftSequence] = {}
+
+    def retain(self, keys: set[tuple[str, int]]) -> None:
+        """Forget the draft sequences of target sequences that are no longer running."""
+        for key in [k for k in self.seqs if k not in keys]:
+            self.blocks.free_table(self.seqs.pop(key).block_table)
+
+    def propose_many(self, requests: list[tuple[tuple[str, int], list[int], int]]) -> list[list[int]]:
+        """For each (key, the target's tokens, k): up to k greedy guesses of the draft model
+        (fewer where its pool or context has no room)."""
+        live: list[tuple[int, DraftSequence, int]] = []
+        for i, (key, tokens, k) in enumerate(requests):
+            d = self._sync(key, tokens)
+            if k > 0 and len(tokens) + k <= self.max_len and self._reserve(d, len(tokens) + k - 1):
+                live.append((i, d, k))
+        out: list[list[int]] = [[] for _ in requests]
+        for j in range(max((k for _, _, k in live), default=0)):
+            step = [(i, d) for i, d, k in live if j < k]
+            batch = ScheduledBatch([d for _, d in step], [d.length - d.num_computed for _, d in step])
+            with torch.inference_mode():
+                logits, rows = self.runner.run(batch)
+            best = logits.float().cpu().numpy().argmax(-1)
+            for (i, d), t in zip(step, best.tolist()):
+                d.num_computed = d.length
+                d.tokens.append(t)
+                out[i].append(t)
+        return out
+
+    def _sync(self, key: tuple[str, int], tokens: list[int]) -> DraftSequence:
+        d = self.seqs.get(key)
+        if d is None:
+            d = self.seqs[key] = DraftSequence(list(tokens))
+            return d
+        n = min(d.num_computed, len(tokens))
+        a, b = np.asarray(d.tokens[:n]), np.asarray(tokens[:n])
+        diff = np.flatnonzero(a != b)
+        d.num_computed = int(diff[0]) if diff.size else n
+        d.tokens = list(tokens)
+        return d
+
+    def _reserve(self, d: DraftSequence, length: int) -> bool:
+        """Blocks for `length` tokens; False (and the draft's blocks given back) if the pool has none."""
+        need = self.blocks.blocks_needed(length) - len(d.block_table)
+        if need > 0 and not self.blocks.can_allocate(need):
+            self.blocks.free_table(d.block_table)
+            d.num_computed = 0
+            return False
+        self.blocks.ensure_slots(d.block_table, length)
+        return True
