@@ -428,3 +428,25 @@ def test_compare_llama_cpp_errors(stub_llama_cpp, tiny_gguf, make_hf_model, tmp_
     monkeypatch.setenv("NANOINFER_LLAMA_CPP_PYTHON", sys.executable)
     msg = error(["--model", str(gguf)])
     assert "llama_cpp is not importable" in msg and "ModuleNotFoundError" in msg
+
+
+def test_bench_latency_speculative(make_hf_model, capsys):
+    """--speculative: the three tasks, with and without speculation alternated, the same greedy
+    tokens both ways (the bench refuses to report otherwise), acceptance and speed-up reported;
+    a draft model that is the target itself accepts every guess."""
+    _, path = make_hf_model("llama")
+    doc, out = run_bench(capsys, ["latency", "--model", str(path), "--decode-len", "24", "--runs", "2",
+                                  "--speculative", "draft_model", "--speculative-config",
+                                  json.dumps({"model": str(path), "num_speculative_tokens": 3})])
+    res = doc["speculative"]
+    assert set(res["tasks"]) == {"code-edit", "doc-quote", "free"} and res["config"]["method"] == "draft_model"
+    for r in res["tasks"].values():
+        assert len(r["off_decode_tok_s"]) == len(r["on_decode_tok_s"]) == 2
+    full = [r for r in res["tasks"].values() if r["tokens"] == 24]  # an EOS cuts a run of guesses short
+    assert full and all(r["acceptance_rate"] == 1.0 and r["tokens_per_step"] > 3 for r in full)
+    assert "speed-up" in out
+    doc, _ = run_bench(capsys, ["latency", "--model", str(path), "--decode-len", "12", "--runs", "1",
+                                "--speculative", "ngram"])
+    assert doc["speculative"]["config"]["method"] == "ngram"
+    assert main(["latency", "--model", str(path), "--speculative", "draft_model"]) == 1
+    assert "draft's path" in capsys.readouterr().err

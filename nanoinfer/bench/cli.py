@@ -57,8 +57,14 @@ def _add_commands(sub) -> None:
                           "run in a subprocess of --llama-cpp-python")
     lat.add_argument("--llama-cpp-python", default=None, metavar="PYTHON",
                      help="a Python with llama-cpp-python installed (default: $NANOINFER_LLAMA_CPP_PYTHON)")
+    lat.add_argument("--speculative", default=None, choices=["ngram", "draft_model"],
+                     help="instead of the batch sweep: batch-1 decode with and without speculation on an "
+                          "input-grounded code edit, a document quote and a free story (fields of "
+                          "--speculative-config override the defaults; draft_model needs its \"model\")")
+    add_speculative_arg(lat)
     lat.add_argument("--runs", type=int, default=3,
-                     help="rounds of --compare, alternating which engine goes first; medians reported (default 3)")
+                     help="rounds of --compare or --speculative, alternating which goes first; medians reported "
+                          "(default 3)")
     lat.set_defaults(func=_latency)
 
     thr = sub.add_parser("throughput", help="N random requests at once, to completion (nano-vllm's protocol)",

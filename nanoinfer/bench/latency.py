@@ -227,6 +227,8 @@ def run(args: argparse.Namespace) -> int:
         raise NanoinferError("--prompt-len must be >= 1")
     if decode_len < 2:
         raise NanoinferError("--decode-len must be >= 2 (the first token comes from the prefill)")
+    if getattr(args, "speculative", None) and compare:
+        raise NanoinferError("--speculative and --compare are separate runs: give one")
     plot = plot_path(args)
     runs = getattr(args, "runs", 3)
     if compare:
@@ -249,6 +251,14 @@ def run(args: argparse.Namespace) -> int:
     card = env.roofline.card(mid, env.peaks.flops, env.peaks.bandwidth)
     print_card(env, card)
 
+    if getattr(args, "speculative", None):
+        from .speculative import print_speculative, run_speculative
+        res = run_speculative(env, args, decode_len)
+        print_speculative(res)
+        emit_json({**run_meta(env, "latency"), "speculative": res})
+        return 0
+    if getattr(args, "speculative_config", None) is not None:
+        raise NanoinferError("--speculative-config on bench latency goes with --speculative METHOD")
     warm_up(env)
     results = []
     for b in batch_sizes:
