@@ -171,3 +171,31 @@ def test_sampled_distribution_is_the_targets(llama_dir):
     naive[:] = 0
     naive[43] = 1.0
     assert 0.5 * (naive - target).abs().sum().item() > 3 * noise
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_constrained_rows_speculate_exactly(default_gguf, sampling):
+    """Rows under JSON schemas speculate too: each verified position is masked with the
+    grammar's state after the guesses before it, guesses the grammar forbids are dropped, and
+    the budget rule's last stretch is left alone. Same tokens and logprobs as without."""
+    import json
+
+    from nanoinfer.sampling import StructuredOutputsParams
+    from test_structured_outputs import PROMPT, SCHEMAS
+
+    picked = [(n, s) for n, s in SCHEMAS if n in ("Polygon", "Tree", "Company", "Recipe")]
+    prompts = [[{"role": "user", "content": PROMPT.format(n, json.dumps(s))}] for n, s in picked]
+    params = [SamplingParams(temperature=0 if sampling == "greedy" else 0.8, seed=None if sampling == "greedy" else 3,
+                             max_tokens=300, logprobs=1, structured_outputs=StructuredOutputsParams(json=s))
+              for _, s in picked]
+
+    def outputs(llm):
+        return [(o.outputs[0].token_ids, o.outputs[0].finish_reason,
+                 [{k: v.logprob for k, v in d.items()} for d in o.outputs[0].logprobs])
+                for o in llm.chat(prompts, params)]
+
+    base = outputs(LLM(default_gguf))
+    spec = LLM(default_gguf, speculative_config={**NGRAM, "disable_by_batch_size": 8})
+    assert outputs(spec) == base
+    assert spec.engine.spec_accepted > 20
+    assert all(reason == "stop" for _, reason, _ in base)

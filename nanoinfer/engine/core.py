@@ -227,8 +227,13 @@ class LLMEngine:
             seq.stats.forwards.append(ForwardStat(seq.num_computed, n, seconds))
         # Constrained rows: what their grammars disallow is -inf before anything samples (forks
         # sample their first token from their parent's row, in the same grammar state).
-        constrained = [(row, seq.grammar, seq.tokens_left) for row, i in enumerate(samplers)
-                       if (seq := batch.seqs[i]).grammar]
+        # A row checking a proposed token takes the grammar's state after the guesses before it.
+        constrained, j = [], 0
+        for row, i in enumerate(samplers):
+            j = j + 1 if row and samplers[row - 1] == i else 0  # which of the sequence's rows (0: its own)
+            seq = batch.seqs[i]
+            if seq.grammar is not None:
+                constrained.append((row, seq.spec_states[j - 1] if j else seq.grammar, seq.tokens_left - j))
         if constrained:
             for row in self.structured.apply_masks(logits, constrained):
                 self._fail(batch.seqs[samplers[row]].request_id,
@@ -266,17 +271,21 @@ class LLMEngine:
         """Proposed next tokens for each decoding sequence, unless the batch is large enough
         that the step is compute-bound (SpeculativeConfig.disable_by_batch_size) or the
         sequence's recent guesses mostly missed (min_hit_rate, retried every retry_after
-        steps). Not for rows under a grammar (their masks would have to follow the guesses)
-        or with forks pending."""
+        steps). Not with forks pending, nor for a JSON row whose budget rule may act within the
+        guesses. A row under a grammar keeps the guesses its grammar allows, and each verified
+        position is masked with the grammar's state after the guesses before it."""
         running = self.scheduler.running
         self.proposer.retain({(s.request_id, s.index) for s in running})
         decoding = [s for s in running if s.num_computed == s.length - 1]
         if len(decoding) >= self.spec.disable_by_batch_size:
             return
         asking = []
+        k = self.spec.num_speculative_tokens
         for seq in decoding:
-            if seq.grammar is not None or seq.forks or seq.finished:
+            if seq.forks or seq.finished:
                 continue
+            if seq.grammar is not None and not seq.grammar.budget_rule_idle(seq.tokens_left - k - 1):
+                continue  # near its budget a JSON row may be closing: its masks are the budget rule's
             seq.spec_idle_steps += 1
             if seq.spec_hit_rate < self.spec.min_hit_rate and seq.spec_idle_steps < self.spec.retry_after:
                 continue  # its guesses have been missing: checking them costs more than they save
@@ -285,6 +294,9 @@ class LLMEngine:
                                                min(self.spec.num_speculative_tokens, s.tokens_left - 1))
                                               for s in asking])
         for seq, spec in zip(asking, guesses):
+            if seq.grammar is not None:  # guesses the grammar forbids could never be accepted
+                seq.spec_states = seq.grammar.states_after(spec)
+                spec = spec[:len(seq.spec_states)]
             seq.spec_tokens = spec
             self.spec_proposed += len(spec)
             if spec:
@@ -306,7 +318,7 @@ class LLMEngine:
                 break
             matched += 1
         seq.spec_hit_rate = 0.7 * seq.spec_hit_rate + 0.3 * matched / len(spec)
-        seq.spec_tokens = []
+        seq.spec_tokens, seq.spec_states = [], []
         self.spec_accepted += matched
         if not seq.finished:  # the accepted tokens' KV is in the cache; the last token's is not yet
             self.scheduler.advance(seq, min(start + matched, seq.length - 1) - seq.num_computed)

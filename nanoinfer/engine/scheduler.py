@@ -62,6 +62,7 @@ class Scheduler:
         seq.num_computed = 0
         seq.block_hashes.clear()
         seq.spec_tokens.clear()  # guesses ride only on a decode; it comes back as a prefill
+        seq.spec_states.clear()
         self.running.remove(seq)
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

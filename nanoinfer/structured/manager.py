@@ -122,6 +122,27 @@ class Constraint:
         else:  # the plan changes slowly as the model writes: look again when half the gap is used
             self.next_check = remaining - max(1, gap // 2)
 
+    def states_after(self, tokens: list[int]) -> list[Constraint]:
+        """The constraint after each of tokens[:1], tokens[:2], ... (for checking proposed
+        tokens: the mask at each verified position), as far as the grammar allows them. Copies:
+        this one does not move, and the copies have no budget rule (a row speculates only
+        while that rule is idle)."""
+        states: list[Constraint] = []
+        m = self.matcher
+        for t in tokens:
+            if not m.allows(t):
+                break
+            m = m.copy()
+            m.accept(t)
+            if m.is_terminated():  # the row after it would have nothing to allow: it ends the guesses
+                break
+            states.append(Constraint(m, None))
+        return states
+
+    def budget_rule_idle(self, remaining: int) -> bool:
+        """True if the budget rule cannot act while at least `remaining` tokens are left."""
+        return self.closer is None or (not self.plan and remaining > LOOKAHEAD)
+
     def fill_mask(self, out: np.ndarray) -> None:
         if self.plan:
             out[:] = 0
