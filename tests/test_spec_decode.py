@@ -145,6 +145,9 @@ def test_sampled_distribution_is_the_targets(llama_dir):
         def retain(self, keys):
             pass
 
+        def prefill(self, requests):
+            pass
+
     llm.engine.proposer = Guess43()
     outs = llm.generate([{"prompt_token_ids": prompt}] * N,
                         [SamplingParams(temperature=T, seed=s, max_tokens=3, ignore_eos=True) for s in range(N)])

@@ -23,7 +23,7 @@ from ..errors import InvalidRequestError, RequestFailedError
 from ..kernels.quant_linear import has_block_weights
 from ..models.builder import LoadedModel
 from ..sampling import RowSampler, SamplingParams
-from ..spec_decode import NgramProposer, SpeculativeConfig
+from ..spec_decode import NgramProposer, Proposer, SpeculativeConfig
 from ..structured import StructuredOutputs
 from ..tokenizer import IncrementalDetokenizer, StopMatcher
 from ..tools.tool_use import ToolUseState, bind_tools
@@ -113,7 +113,7 @@ class LLMEngine:
         self.tools = bind_tools(self.tokenizer) if config.enable_tools else []
         self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size)
         self.spec = SpeculativeConfig.of(config.speculative_config)
-        self.proposer: NgramProposer | DraftModelProposer | None = None
+        self.proposer: Proposer | None = None
         if self.spec is not None and self.spec.method == "ngram":
             self.proposer = NgramProposer(self.spec)
         elif self.spec is not None:
@@ -263,8 +263,14 @@ class LLMEngine:
                     deltas.append(self._sample(seq, logits[rows[0]], argmax[rows[0]]))
             except Exception as e:
                 self._fail(seq.request_id, e)
-        if self.proposer is not None and not self.scheduler.running:
-            self.proposer.retain(set())  # nothing runs: a draft model gives its blocks back
+        if self.proposer is not None:
+            if not self.scheduler.running:
+                self.proposer.retain(set())  # nothing runs: a draft model gives its blocks back
+            else:  # prompts that finished prefilling: a draft model reads them now (time to first token)
+                first = [((s.request_id, s.index), s.all_ids) for s in batch.seqs
+                         if not s.finished and len(s.output_ids) == 1 and s.num_computed == s.length - 1]
+                if first:
+                    self.proposer.prefill(first)
         return [d for d in deltas if d.request_id not in self.failures] if self.failures else deltas
 
     def _propose(self) -> None:

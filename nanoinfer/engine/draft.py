@@ -69,6 +69,18 @@ class DraftModelProposer:
         for key in [k for k in self.seqs if k not in keys]:
             self.blocks.free_table(self.seqs.pop(key).block_table)
 
+    def prefill(self, requests: list[tuple[tuple[str, int], list[int]]]) -> None:
+        """Compute the draft's KV of these sequences' tokens now (in the step that prefilled the
+        target, so that the draft's prompt counts in the time to the first token)."""
+        live = [d for key, tokens in requests
+                if len(tokens) <= self.max_len and self._reserve(d := self._sync(key, tokens), len(tokens))]
+        live = [d for d in live if d.num_computed < d.length - 1]  # the last token waits: its logits guess
+        if live:
+            with torch.inference_mode():
+                self.runner.run(ScheduledBatch(live, [d.length - 1 - d.num_computed for d in live]))
+            for d in live:
+                d.num_computed = d.length - 1
+
     def propose_many(self, requests: list[tuple[tuple[str, int], list[int], int]]) -> list[list[int]]:
         """For each (key, the target's tokens, k): up to k greedy guesses of the draft model
         (fewer where its pool or context has no room)."""
@@ -98,7 +110,7 @@ class DraftModelProposer:
         n = min(d.num_computed, len(tokens))
         a, b = np.asarray(d.tokens[:n]), np.asarray(tokens[:n])
         diff = np.flatnonzero(a != b)
-        d.num_computed = int(diff[0]) if diff.size else n
+        d.num_computed = min(int(diff[0]) if diff.size else n, len(tokens) - 1)  # the last one gives logits
         d.tokens = list(tokens)
         return d
 

@@ -21,6 +21,9 @@ class NgramProposer:
     def retain(self, keys: set[tuple[str, int]]) -> None:
         """Nothing is kept per sequence."""
 
+    def prefill(self, requests: list[tuple[tuple[str, int], list[int]]]) -> None:
+        """Nothing to compute ahead."""
+
     def propose(self, tokens: list[int], k: int | None = None) -> list[int]:
         """Up to k tokens (default num_speculative_tokens) to follow `tokens`; [] when no
         n-gram matches."""
