@@ -18,7 +18,7 @@ from ..attention import PagedKVCache
 from ..errors import InvalidRequestError
 from ..kernels.quant_linear import has_block_weights
 from ..models.builder import LoadedModel, load_model
-from ..spec_decode import SpeculativeConfig
+from ..spec_decode import SeqKey, SpeculativeConfig
 from .batch import ScheduledBatch
 from .kv_manager import BlockManager
 from .runner import ModelRunner
@@ -49,7 +49,6 @@ class DraftModelProposer:
     def __init__(self, config: SpeculativeConfig, target: LoadedModel, num_blocks: int, block_size: int,
                  max_model_len: int, kv_dtype: torch.dtype):
         """num_blocks: as many as the target's pool (a draft block per target block)."""
-        self.k = config.num_speculative_tokens
         device = next(target.model.parameters()).device
         dtype = None if has_block_weights(target.model) else next(target.model.parameters()).dtype
         self.loaded = draft = load_model(config.model, dtype=dtype, device=device)
@@ -62,14 +61,14 @@ class DraftModelProposer:
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(draft.model, mc, self.cache)
         self.max_len = min(max_model_len, mc.max_position_embeddings)
-        self.seqs: dict[tuple[str, int], DraftSequence] = {}
+        self.seqs: dict[SeqKey, DraftSequence] = {}
 
-    def retain(self, keys: set[tuple[str, int]]) -> None:
+    def retain(self, keys: set[SeqKey]) -> None:
         """Forget the draft sequences of target sequences that are no longer running."""
         for key in [k for k in self.seqs if k not in keys]:
             self.blocks.free_table(self.seqs.pop(key).block_table)
 
-    def prefill(self, requests: list[tuple[tuple[str, int], list[int]]]) -> None:
+    def prefill(self, requests: list[tuple[SeqKey, list[int]]]) -> None:
         """Compute the draft's KV of these sequences' tokens now (in the step that prefilled the
         target, so that the draft's prompt counts in the time to the first token)."""
         live = [d for key, tokens in requests
@@ -81,7 +80,7 @@ class DraftModelProposer:
             for d in live:
                 d.num_computed = d.length - 1
 
-    def propose_many(self, requests: list[tuple[tuple[str, int], list[int], int]]) -> list[list[int]]:
+    def propose_many(self, requests: list[tuple[SeqKey, list[int], int]]) -> list[list[int]]:
         """For each (key, the target's tokens, k): up to k greedy guesses of the draft model
         (fewer where its pool or context has no room)."""
         live: list[tuple[int, DraftSequence, int]] = []
@@ -94,7 +93,7 @@ class DraftModelProposer:
             step = [(i, d) for i, d, k in live if j < k]
             batch = ScheduledBatch([d for _, d in step], [d.length - d.num_computed for _, d in step])
             with torch.inference_mode():
-                logits, rows = self.runner.run(batch)
+                logits, _ = self.runner.run(batch)
             best = logits.float().cpu().numpy().argmax(-1)
             for (i, d), t in zip(step, best.tolist()):
                 d.num_computed = d.length
@@ -102,7 +101,7 @@ class DraftModelProposer:
                 out[i].append(t)
         return out
 
-    def _sync(self, key: tuple[str, int], tokens: list[int]) -> DraftSequence:
+    def _sync(self, key: SeqKey, tokens: list[int]) -> DraftSequence:
         d = self.seqs.get(key)
         if d is None:
             d = self.seqs[key] = DraftSequence(list(tokens))

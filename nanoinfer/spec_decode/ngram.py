@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from .config import SpeculativeConfig
+from .proposer import SeqKey
 
 
 class NgramProposer:
@@ -14,14 +15,14 @@ class NgramProposer:
         self.k = config.num_speculative_tokens
         self.n_max, self.n_min = config.prompt_lookup_max, config.prompt_lookup_min
 
-    def propose_many(self, requests: list[tuple[tuple[str, int], list[int], int]]) -> list[list[int]]:
+    def propose_many(self, requests: list[tuple[SeqKey, list[int], int]]) -> list[list[int]]:
         """For each (sequence key, its tokens, k): up to k proposed tokens."""
         return [self.propose(tokens, k) for _, tokens, k in requests]
 
-    def retain(self, keys: set[tuple[str, int]]) -> None:
+    def retain(self, keys: set[SeqKey]) -> None:
         """Nothing is kept per sequence."""
 
-    def prefill(self, requests: list[tuple[tuple[str, int], list[int]]]) -> None:
+    def prefill(self, requests: list[tuple[SeqKey, list[int]]]) -> None:
         """Nothing to compute ahead."""
 
     def propose(self, tokens: list[int], k: int | None = None) -> list[int]:

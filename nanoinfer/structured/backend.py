@@ -15,6 +15,11 @@ import numpy as np
 from ..sampling import StructuredOutputsParams
 
 
+def allowed_tokens(words: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Masks as matchers fill them (uint32 words, [..., (V + 31) // 32]) -> bool [..., V]."""
+    return np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")[..., :vocab_size].astype(bool)
+
+
 class Matcher(Protocol):
     """One sequence's position in its grammar."""
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .backend import Matcher
+from .backend import Matcher, allowed_tokens
 
 LOOKAHEAD = 128  # rows this close to their budget check whether they must start closing
 MARGIN = 16  # room kept for what one more free token can add to the plan (rows near the end look every step)
@@ -69,7 +69,6 @@ class JsonCloser:
         self.token_bytes = token_bytes
         self.eos_ids = eos_ids
         self.closers: dict[bytes, int] = {}
-        self.step_on: list[int] = []
         wanted = set(_STEP_ON)
         step_on: dict[bytes, int] = {}
         for i, b in enumerate(token_bytes):
@@ -81,8 +80,7 @@ class JsonCloser:
                 step_on.setdefault(b, i)
         self.step_on = [step_on[b] for b in _STEP_ON if b in step_on]
         self.max_closer = max(map(len, self.closers), default=0)
-        lengths = np.array([0 if i in special else len(b) for i, b in enumerate(token_bytes)], dtype=np.int64)
-        self.lengths = lengths
+        self.lengths = np.array([0 if i in special else len(b) for i, b in enumerate(token_bytes)], dtype=np.int64)
 
     def next_token(self, m: Matcher, scan: JsonScan) -> int | None:
         if m.is_accepting():
@@ -101,7 +99,7 @@ class JsonCloser:
             return forced[0]
         words = np.zeros((len(self.lengths) + 31) // 32, dtype=np.uint32)
         m.fill_mask(words)
-        allowed = np.unpackbits(words.view(np.uint8), bitorder="little")[:len(self.lengths)].astype(bool)
+        allowed = allowed_tokens(words, len(self.lengths))
         scores = np.where(allowed, self.lengths, -1)
         best = int(scores.argmax())
         return best if scores[best] > 0 else None

@@ -12,7 +12,7 @@ import torch
 
 from ..sampling import StructuredOutputsParams
 from ..tokenizer import TokenizerLike
-from .backend import Compiled, GrammarBackend, Matcher
+from .backend import Compiled, GrammarBackend, Matcher, allowed_tokens
 from .budget import LOOKAHEAD, MARGIN, JsonCloser, JsonScan
 
 CACHE_SIZE = 256  # compiled constraints kept (least recently used dropped)
@@ -80,7 +80,7 @@ class StructuredOutputs:
         for i, (_, c, remaining) in enumerate(rows):
             c.check_budget(remaining)
             c.fill_mask(words[i])
-        allowed = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :V].astype(bool)
+        allowed = allowed_tokens(words, V)
         lg = logits.numpy()
         index = [r for r, _, _ in rows]
         sub = lg[index]
@@ -95,7 +95,7 @@ class Constraint:
     """One sequence's constraint: its grammar matcher, and for JSON the closing plan it follows
     once its token budget nears its end (budget.py)."""
 
-    __slots__ = ("matcher", "closer", "scan", "plan", "next_check", "margin", "closed")
+    __slots__ = ("matcher", "closer", "scan", "plan", "next_check", "margin")
 
     def __init__(self, matcher: Matcher, closer: JsonCloser | None):
         self.matcher = matcher
@@ -104,7 +104,6 @@ class Constraint:
         self.plan: list[int] = []  # forced next tokens, once closing started
         self.next_check = LOOKAHEAD  # remaining budget at which to plan again
         self.margin = -1  # room kept for what one free token adds to the plan (set at the first look)
-        self.closed = False  # it followed a closing plan
 
     def check_budget(self, remaining: int) -> None:
         """Start following a closing plan if the value must start closing now to fit."""
@@ -118,7 +117,7 @@ class Constraint:
             return
         gap = remaining - len(plan) - self.margin
         if gap <= 0:
-            self.plan, self.closed = plan, True
+            self.plan = plan
         else:  # the plan changes slowly as the model writes: look again when half the gap is used
             self.next_check = remaining - max(1, gap // 2)
 
