@@ -13,7 +13,7 @@ MAX_SIZE = (1 << 31) - 1
 
 @dataclass
 class ModelConfig:
-    architecture: str  # "llama" | "qwen2" | "qwen3" | "mistral" (all served by models/llama.py)
+    architecture: str  # "llama" | "qwen2" | "qwen3" | "mistral" | "smollm3" (all served by models/llama.py)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -32,6 +32,7 @@ class ModelConfig:
     layer_windows: list[int | None] | None = None  # per-layer windows (nanochat); overrides sliding_window
     attn_scale: float | None = None  # softmax scale of q.k; None: 1 / sqrt(head_dim)
     attn_softcap: float | None = None  # attention scores soft-capped to c * tanh(s / c) (Gemma 2)
+    rope_layers: list[bool] | None = None  # per layer: rotary applied (SmolLM3 skips every 4th); None: all
     extra: dict = field(default_factory=dict)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:

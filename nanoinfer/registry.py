@@ -26,11 +26,16 @@ class Architecture:
     attention_bias: bool = False  # q/k/v projections carry a bias
     qk_norm: bool = False  # per-head RMSNorm on q and k before rotary
     sliding_window: bool = False  # config.json's sliding_window applies without use_sliding_window
+    # Every n-th layer has no rotary (SmolLM3's NoPE layers: 4, which llama.cpp hard-codes: a
+    # GGUF states no key for it); a config.json's own no_rope_layers list takes precedence.
+    no_rope_step: int | None = None
 
     def adapt(self, config: ModelConfig) -> ModelConfig:
         config.architecture = self.name
         config.attention_bias = config.attention_bias or self.attention_bias
         config.qk_norm = config.qk_norm or self.qk_norm
+        if self.no_rope_step and config.rope_layers is None:
+            config.rope_layers = [(i + 1) % self.no_rope_step != 0 for i in range(config.num_layers)]
         return config
 
 
@@ -41,6 +46,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("qwen2", ".llama:LlamaForCausalLM", ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",),
                  attention_bias=True),
     Architecture("qwen3", ".llama:LlamaForCausalLM", ("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",), qk_norm=True),
+    Architecture("smollm3", ".llama:LlamaForCausalLM", ("SmolLM3ForCausalLM",), ("smollm3",), ("smollm3",),
+                 no_rope_step=4),
     Architecture("nanochat", ".nanochat:NanochatGPT", checkpoint_format="nanochat"),
 )
 

@@ -69,6 +69,10 @@ def _hf_model(kind: str, vocab_size: int, tie: bool, seed: int = 0):
     elif kind == "qwen3":
         cfg = tf.Qwen3Config(**common, head_dim=32, rope_theta=1000000.0)
         cls = tf.Qwen3ForCausalLM
+    elif kind == "smollm3":  # 4 layers: the 4th has no rotary (NoPE)
+        cfg = tf.SmolLM3Config(**{**common, "num_hidden_layers": 4}, rope_theta=1000000.0, no_rope_layer_interval=4,
+                               pad_token_id=0)
+        cls = tf.SmolLM3ForCausalLM
     elif kind == "mistral":
         cfg = tf.MistralConfig(**common, sliding_window=8)
         cls = tf.MistralForCausalLM

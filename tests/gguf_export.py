@@ -28,7 +28,7 @@ import torch
 
 from nanoinfer.loaders import gguf as gguf_loader
 
-_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "smollm3": "smollm3"}
 
 # The loader's name tables, inverted (HF -> GGUF). Sharing them is safe: the tests also read
 # these exports back with transformers' own GGUF reader.

@@ -8,7 +8,8 @@ from nanoinfer import LLM, SamplingParams
 from nanoinfer.models.batch import ForwardBatch
 from nanoinfer.reference import generate_uncached
 
-CASES = [("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True), ("qwen3", False), ("mistral", False)]
+CASES = [("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True), ("qwen3", False), ("mistral", False),
+         ("smollm3", False), ("smollm3", True)]
 STEPS = 40
 
 
@@ -58,6 +59,10 @@ def check_parity(hf_model, path, steps: int = STEPS):
     for step, (a, b) in enumerate(zip(logits, ref_logits)):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0, msg=lambda m, step=step: f"step {step}: {m}")
     assert tokens == ref_tokens
+    # Again: the prompt's full blocks now come from the prefix cache, with the same tokens.
+    hits = llm.engine.scheduler.blocks.stats.prefix_hits
+    assert engine_greedy(llm, ids, steps)[0] == ref_tokens
+    assert llm.engine.scheduler.blocks.stats.prefix_hits > hits
     return llm
 
 
@@ -71,7 +76,8 @@ def test_hf_folder_parity(make_hf_model, kind, tie):
     assert config.num_kv_heads < config.num_heads  # GQA
 
 
-@pytest.mark.parametrize("kind,tie", [("llama", False), ("llama", True), ("qwen2", False), ("qwen3", True)])
+@pytest.mark.parametrize("kind,tie", [("llama", False), ("llama", True), ("qwen2", False), ("qwen3", True),
+                                      ("smollm3", False), ("smollm3", True)])
 def test_gguf_parity(make_hf_model, tiny_tokenizer_dir, tmp_path, kind, tie):
     from gguf_export import write_gguf_from_hf
 

@@ -65,12 +65,13 @@ def hf_config(raw: dict) -> ModelConfig:
         if scaling and key in scaling:
             check_number(scaling[key], f"rope_scaling.{key}")
     window = raw.get("sliding_window") if arch.sliding_window or raw.get("use_sliding_window") else None
+    layers = size("num_hidden_layers")
     return arch.adapt(ModelConfig(
         architecture=arch.name,
         vocab_size=size("vocab_size"),
         hidden_size=hidden,
         intermediate_size=size("intermediate_size"),
-        num_layers=size("num_hidden_layers"),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
@@ -81,8 +82,24 @@ def hf_config(raw: dict) -> ModelConfig:
         attention_bias=bool(raw.get("attention_bias", False)),
         rope_scaling=scaling,
         sliding_window=None if window is None else check_int(window, "sliding_window"),
+        rope_layers=_rope_layers(raw, layers),
         extra={"hf_config": raw},  # the family's own fields, for its module to read
     ))
+
+
+def _rope_layers(raw: dict, layers: int) -> list[bool] | None:
+    """SmolLM3's NoPE layers: `no_rope_layers` (1 = rotary on, per layer), else every
+    `no_rope_layer_interval`-th layer without; None where the config says neither."""
+    listed = raw.get("no_rope_layers")
+    if listed is not None:
+        if not isinstance(listed, list) or len(listed) != layers or any(x not in (0, 1) for x in listed):
+            raise ModelLoadError(f"no_rope_layers must be a list of {layers} zeros and ones")
+        return [bool(x) for x in listed]
+    interval = raw.get("no_rope_layer_interval")
+    if interval is None:
+        return None
+    step = check_int(interval, "no_rope_layer_interval")
+    return [(i + 1) % step != 0 for i in range(layers)]
 
 
 def _check_shapes(config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> None:

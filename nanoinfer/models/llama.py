@@ -1,4 +1,5 @@
-"""The Llama family: Llama, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), SmolLM.
+"""The Llama family: Llama, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), SmolLM2, SmolLM3
+(no rotary on every 4th layer).
 
 One module serves them all; the differences are flags on ModelConfig. Weights use
 Hugging Face names and layouts, so a state dict from any loader drops in as is.
@@ -66,6 +67,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim,
                                   bias=config.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.use_rope = config.rope_layers is None or config.rope_layers[layer]
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -76,7 +78,11 @@ class Attention(nn.Module):
         T, H, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
         v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
-        if self.q_norm is not None:
+        if not self.use_rope:  # a NoPE layer (SmolLM3)
+            q, k = qkv[:, :H * D].view(T, H, D), qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q)[0], self.k_norm(k)[0]
+        elif self.q_norm is not None:
             q, k = qkv[:, :H * D].view(T, H, D), qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D)
             q, k = layer_ops.rope(self.q_norm(q)[0], cos, sin), layer_ops.rope(self.k_norm(k)[0], cos, sin)
         else:  # q and k side by side: one rotation for both (half the ops)

@@ -23,6 +23,8 @@ def _linear(module: nn.Module) -> LinearWeights | None:
 
 def _build(model: nn.Module, attention: CpuPagedAttention) -> DecoderStack | None:
     config = model.config
+    if config.rope_layers is not None and not all(config.rope_layers):
+        return None  # the compiled stack rotates q and k in every layer
     layers = []
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
