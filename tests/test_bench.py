@@ -443,10 +443,20 @@ def test_bench_latency_speculative(make_hf_model, capsys):
     for r in res["tasks"].values():
         assert len(r["off_decode_tok_s"]) == len(r["on_decode_tok_s"]) == 2
     full = [r for r in res["tasks"].values() if r["tokens"] == 24]  # an EOS cuts a run of guesses short
-    assert full and all(r["acceptance_rate"] == 1.0 and r["tokens_per_step"] > 3 for r in full)
+    assert full and all(r["acceptance_rate"] == 1.0 and r["tokens_per_step"] > 3 and r["mean_accepted_tokens"] > 2.5
+                        for r in full)
     assert "speed-up" in out
     doc, _ = run_bench(capsys, ["latency", "--model", str(path), "--decode-len", "12", "--runs", "1",
                                 "--speculative", "ngram"])
     assert doc["speculative"]["config"]["method"] == "ngram"
     assert main(["latency", "--model", str(path), "--speculative", "draft_model"]) == 1
     assert "draft's path" in capsys.readouterr().err
+
+
+def test_bench_throughput_reports_speculation(make_hf_model, capsys):
+    _, path = make_hf_model("llama")
+    doc, _ = run_bench(capsys, ["throughput", "--model", str(path), "-n", "2", "--min-input-len", "8",
+                                "--max-input-len", "12", "--min-output-len", "8", "--max-output-len", "12",
+                                "--speculative-config", json.dumps({"method": "draft_model", "model": str(path)})])
+    r = doc["results"]["nanoinfer"]
+    assert r["spec_proposed_tokens"] > 0 and r["spec_acceptance_rate"] == 1.0 and r["spec_mean_accepted_tokens"] > 1

@@ -92,13 +92,43 @@ def test_default_model_drafting_for_itself(default_gguf):
     base = LLM(default_gguf).chat(prompt, params)[0].outputs[0]
     spec = LLM(default_gguf, speculative_config={"method": "draft_model", "model": str(default_gguf),
                                                  "num_speculative_tokens": 4})
-    out = spec.chat(prompt, params)[0].outputs[0]
+    result = spec.chat(prompt, params)[0]
+    out = result.outputs[0]
     assert out.token_ids == base.token_ids
     assert [{k: v.logprob for k, v in d.items()} for d in out.logprobs] == \
            [{k: v.logprob for k, v in d.items()} for d in base.logprobs]
     e = spec.engine
     assert e.spec_accepted == e.spec_proposed > 0
     assert e.total_steps <= 2 + len(out.token_ids) // 5 + 1  # prefill, then k + 1 tokens a step
+    # the figures, per request and for the engine: every guess accepted, ~k a check
+    stats = result.stats[0].as_dict()
+    assert stats["spec_acceptance_rate"] == 1.0 and stats["spec_proposed_tokens"] == e.spec_proposed
+    assert 3.0 < stats["spec_mean_accepted_tokens"] <= 4.0
+    m = e.metrics()
+    assert m["spec_acceptance_rate"] == 1.0 and m["spec_mean_accepted_tokens"] == stats["spec_mean_accepted_tokens"]
+
+
+def test_metrics_endpoint_reports_speculation(llama_dir):
+    """/metrics of a server speculating with a draft that is the target: guesses checked and
+    accepted, the acceptance rate and the mean accepted length."""
+    import json
+
+    import httpx2 as httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from server_utils import run_server
+
+    config = json.dumps({"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 3})
+    with run_server(["--model", str(llama_dir), "--speculative-config", config, "--log-level", "warning"]) as url:
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "a b c", "max_tokens": 24, "temperature": 0,
+                                                       "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200
+        samples = {s.name: s.value for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+                   for s in f.samples}
+    assert samples["nanoinfer_spec_decode_num_draft_tokens_total"] > 0
+    assert samples["nanoinfer_spec_decode_num_accepted_tokens_total"] > 0
+    assert 0.0 < samples["nanoinfer_spec_decode_acceptance_rate"] <= 1.0
+    assert samples["nanoinfer_spec_decode_mean_accepted_tokens"] > 0
 
 
 def test_bad_config_is_a_clear_error(llama_dir):

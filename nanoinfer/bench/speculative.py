@@ -72,7 +72,7 @@ def speculative_config(args: argparse.Namespace) -> dict:
 
 
 def decode_once(engine: LLMEngine, prompt: list[int], decode_len: int) -> dict:
-    proposed, accepted = engine.spec_proposed, engine.spec_accepted
+    proposed, accepted, checks = engine.spec_proposed, engine.spec_accepted, engine.spec_checks
     steps0 = engine.total_steps
     engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=decode_len))
     times = []
@@ -84,7 +84,8 @@ def decode_once(engine: LLMEngine, prompt: list[int], decode_len: int) -> dict:
     n = len(out.token_ids)
     return {"tokens": n, "decode_tok_s": (n - 1) / (times[-1] - times[0]) if n > 1 and len(times) > 1 else 0.0,
             "steps": engine.total_steps - steps0, "proposed": engine.spec_proposed - proposed,
-            "accepted": engine.spec_accepted - accepted, "token_ids": out.token_ids}
+            "accepted": engine.spec_accepted - accepted, "checks": engine.spec_checks - checks,
+            "token_ids": out.token_ids}
 
 
 def run_speculative(env: BenchEnv, args: argparse.Namespace, decode_len: int) -> dict:
@@ -122,6 +123,7 @@ def run_speculative(env: BenchEnv, args: argparse.Namespace, decode_len: int) ->
             "speedup": on_tps / off_tps if off_tps else 0.0,
             "acceptance_rate": accepted / proposed if proposed else 0.0,
             "tokens_per_step": sum(r["tokens"] for r in on) / sum(r["steps"] for r in on),
+            "mean_accepted_tokens": sum(r["accepted"] for r in on) / max(1, sum(r["checks"] for r in on)),
         }
     del engines
     gc.collect()

@@ -149,6 +149,8 @@ def run_engine(env: BenchEnv, reqs: list[Request], max_num_seqs: int, max_num_ba
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens,
     })
+    if env.args.speculative_config is not None:
+        res.update({k: v for k, v in metrics.items() if k.startswith("spec_")})
     if structured is not None:
         steps = res["steps"]
         res.update({"structured": structured.kind, "closed_early": short,

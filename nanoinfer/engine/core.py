@@ -30,7 +30,7 @@ from ..tools.tool_use import ToolUseState, bind_tools
 from .draft import DraftModelProposer
 from .runner import ModelRunner
 from .scheduler import Scheduler, SchedulerConfig
-from .sequence import ForwardStat, RequestOutput, Sequence, StreamDelta
+from .sequence import ForwardStat, RequestOutput, Sequence, StreamDelta, spec_figures
 
 
 @dataclass
@@ -120,6 +120,7 @@ class LLMEngine:
             self.proposer = DraftModelProposer(self.spec, loaded, num_blocks, config.block_size, self.max_model_len,
                                                self.kv_dtype)
         self.spec_proposed = self.spec_accepted = 0  # proposed and accepted tokens, for metrics
+        self.spec_checks = 0  # sequence-steps that checked guesses
         self.requests: dict[str, list[Sequence]] = {}
         self.failures: dict[str, RequestFailedError] = {}  # requests ended by an internal error, until taken
         self.last_step_tokens = 0
@@ -326,6 +327,10 @@ class LLMEngine:
         seq.spec_hit_rate = 0.7 * seq.spec_hit_rate + 0.3 * matched / len(spec)
         seq.spec_tokens, seq.spec_states = [], []
         self.spec_accepted += matched
+        self.spec_checks += 1
+        st = seq.stats
+        st.spec_proposed, st.spec_accepted, st.spec_checks = st.spec_proposed + len(spec), st.spec_accepted + matched, \
+            st.spec_checks + 1
         if not seq.finished:  # the accepted tokens' KV is in the cache; the last token's is not yet
             self.scheduler.advance(seq, min(start + matched, seq.length - 1) - seq.num_computed)
         return deltas
@@ -379,4 +384,5 @@ class LLMEngine:
             "steps": self.total_steps,
             "tokens_per_step": self.total_step_tokens / self.total_steps if self.total_steps else 0.0,
             "last_step_tokens": self.last_step_tokens,
+            **spec_figures(self.spec_proposed, self.spec_accepted, self.spec_checks),
         }

@@ -42,6 +42,9 @@ class RequestStats:
     token_times: list[float] = field(default_factory=list)  # when each output token was sampled
     finished: float | None = None
     forwards: list[ForwardStat] = field(default_factory=list)
+    spec_proposed: int = 0  # speculative decoding: guesses checked,
+    spec_accepted: int = 0  # of which accepted,
+    spec_checks: int = 0  # in this many steps that checked guesses
 
     @property
     def generated_tokens(self) -> int:
@@ -76,7 +79,16 @@ class RequestStats:
             "decode_tok_per_s": self.decode_tokens_per_s,
             "e2e_s": self.e2e_seconds,
             "forwards": len(self.forwards),
+            **spec_figures(self.spec_proposed, self.spec_accepted, self.spec_checks),
         }
+
+
+def spec_figures(proposed: int, accepted: int, checks: int) -> dict:
+    """Speculative decoding's figures: the share of guesses accepted, and the guesses accepted
+    per step that checked some (vLLM's mean acceptance length less the bonus token)."""
+    return {"spec_proposed_tokens": proposed, "spec_accepted_tokens": accepted, "spec_checks": checks,
+            "spec_acceptance_rate": accepted / proposed if proposed else None,
+            "spec_mean_accepted_tokens": accepted / checks if checks else None}
 
 
 @dataclass

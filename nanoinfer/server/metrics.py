@@ -1,7 +1,7 @@
 """Prometheus metrics for /metrics, in a registry of the app's own (two apps in one process,
 as in tests, must not share or clash over the global one).
 
-Engine state (running, waiting, KV blocks, prefix cache, preemptions) is read at scrape time
+Engine state (running, waiting, KV blocks, prefix cache, preemptions, speculation) is read at scrape time
 from the snapshot the engine thread leaves after each step, so a scrape never waits for the
 engine. Per-request numbers (TTFT, inter-token latency, tokens, finish reasons) are observed
 when a request ends.
@@ -34,6 +34,10 @@ class EngineCollector(Collector):
             ("kv_cache_usage_ratio", "Fraction of KV cache blocks held by sequences (0-1)", m["kv_usage"]),
             ("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens looked up",
              m["prefix_cache_hit_rate"]),
+            ("spec_decode_acceptance_rate", "Speculative decoding: accepted guesses / checked guesses",
+             m["spec_acceptance_rate"] or 0.0),
+            ("spec_decode_mean_accepted_tokens", "Speculative decoding: accepted guesses per step that checked some",
+             m["spec_mean_accepted_tokens"] or 0.0),
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
@@ -42,6 +46,8 @@ class EngineCollector(Collector):
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", m["prefix_cache_queries"]),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache", m["prefix_cache_hits"]),
             ("engine_steps", "Engine steps (forwards)", m["steps"]),
+            ("spec_decode_num_draft_tokens", "Speculative decoding: guesses checked", m["spec_proposed_tokens"]),
+            ("spec_decode_num_accepted_tokens", "Speculative decoding: guesses accepted", m["spec_accepted_tokens"]),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
