@@ -29,6 +29,9 @@ class Architecture:
     # Every n-th layer has no rotary (SmolLM3's NoPE layers: 4, which llama.cpp hard-codes: a
     # GGUF states no key for it); a config.json's own no_rope_layers list takes precedence.
     no_rope_step: int | None = None
+    # llama.cpp's converter stores q and k rows in its llama rope order (pairs interleaved in
+    # each head) for these families; the loader puts them back in Hugging Face's order.
+    gguf_llama_rope: bool = False
 
     def adapt(self, config: ModelConfig) -> ModelConfig:
         config.architecture = self.name
@@ -40,14 +43,16 @@ class Architecture:
 
 
 ARCHITECTURES: tuple[Architecture, ...] = (
-    Architecture("llama", ".llama:LlamaForCausalLM", ("LlamaForCausalLM",), ("llama",), ("llama",)),
+    Architecture("llama", ".llama:LlamaForCausalLM", ("LlamaForCausalLM",), ("llama",), ("llama",),
+                 gguf_llama_rope=True),
     # llama.cpp converts Mistral to its "llama" architecture; the GGUF loader tells them apart by name.
-    Architecture("mistral", ".llama:LlamaForCausalLM", ("MistralForCausalLM",), ("mistral",), sliding_window=True),
+    Architecture("mistral", ".llama:LlamaForCausalLM", ("MistralForCausalLM",), ("mistral",), sliding_window=True,
+                 gguf_llama_rope=True),
     Architecture("qwen2", ".llama:LlamaForCausalLM", ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",),
                  attention_bias=True),
     Architecture("qwen3", ".llama:LlamaForCausalLM", ("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",), qk_norm=True),
     Architecture("smollm3", ".llama:LlamaForCausalLM", ("SmolLM3ForCausalLM",), ("smollm3",), ("smollm3",),
-                 no_rope_step=4),
+                 no_rope_step=4, gguf_llama_rope=True),
     Architecture("nanochat", ".nanochat:NanochatGPT", checkpoint_format="nanochat"),
 )
 

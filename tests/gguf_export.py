@@ -5,7 +5,7 @@ Qwen3ForCausalLM. Tests use it to make GGUF files of tiny random models; nothing
 What llama.cpp does and this mirrors:
 - GGUF tensor names (token_embd, blk.N.attn_q, ..., output_norm, output); no output tensor when
   the embeddings are tied;
-- for the llama architecture the q and k rows are permuted into llama.cpp's rope layout;
+- for the llama and smollm3 architectures the q and k rows are permuted into llama.cpp's rope layout;
 - Mistral is written as the llama architecture (plus, as an extension, its sliding window);
 - 1-D tensors (norms, biases) stay F32, 2-D weights take `tensor_type`, falling back to F16 when
   a row does not split into whole quantization blocks;
@@ -29,6 +29,9 @@ import torch
 from nanoinfer.loaders import gguf as gguf_loader
 
 _ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "smollm3": "smollm3"}
+# llama.cpp's converter permutes q and k into its llama rope order for these (LlamaModel and
+# its subclasses, SmolLM3Model among them); written here from that fact, not from the loader.
+LLAMA_ROPE = {"llama", "smollm3"}
 
 # The loader's name tables, inverted (HF -> GGUF). Sharing them is safe: the tests also read
 # these exports back with transformers' own GGUF reader.
@@ -216,9 +219,9 @@ def write_gguf_from_hf(
             continue
         gguf_name = gguf_tensor_name(hf_name)
         w = tensor.detach().to(torch.float32).cpu().numpy()
-        if arch == "llama" and ".attn_q." in gguf_name:
+        if arch in LLAMA_ROPE and ".attn_q." in gguf_name:
             w = permute_qk(w, n_heads)
-        elif arch == "llama" and ".attn_k." in gguf_name:
+        elif arch in LLAMA_ROPE and ".attn_k." in gguf_name:
             w = permute_qk(w, n_kv)
         if raw_tensors and gguf_name in raw_tensors:
             data, dtype = raw_tensors[gguf_name]

@@ -474,7 +474,8 @@ def load_gguf(
         hf_name = _hf_name(info.name)
         if hf_name is None or info.name not in expected:
             raise ModelLoadError(f"unexpected tensor {info.name!r} in a {cfg.architecture} GGUF file")
-        permute = cfg.extra["gguf_architecture"] == "llama" and info.name.endswith((".attn_q.weight", ".attn_k.weight"))
+        llama_rope = registry.by_name(cfg.architecture).gguf_llama_rope
+        permute = llama_rope and info.name.endswith((".attn_q.weight", ".attn_k.weight"))
         if dtype is None and len(info.shape) == 2 and info.qtype != GGMLQuantizationType.F32:
             qt = _as_stored(gf.buf, info)
             if permute:  # whole rows move: exact in any block format
@@ -483,7 +484,7 @@ def load_gguf(
             state[hf_name] = qt
             continue
         w = _dequantize(gf.buf, info)
-        if cfg.extra["gguf_architecture"] == "llama":
+        if llama_rope:
             if info.name.endswith((".attn_q.weight", ".attn_q.bias")):
                 w = _unpermute(w, cfg.num_heads)
             elif info.name.endswith((".attn_k.weight", ".attn_k.bias")):
