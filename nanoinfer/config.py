@@ -13,7 +13,7 @@ MAX_SIZE = (1 << 31) - 1
 
 @dataclass
 class ModelConfig:
-    architecture: str  # "llama" | "qwen2" | "qwen3" | "mistral" | "smollm3" (all served by models/llama.py)
+    architecture: str  # a registry name: "llama", "qwen2", "qwen3", "mistral", "smollm3", "olmo2", "nanochat"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -33,6 +33,8 @@ class ModelConfig:
     attn_scale: float | None = None  # softmax scale of q.k; None: 1 / sqrt(head_dim)
     attn_softcap: float | None = None  # attention scores soft-capped to c * tanh(s / c) (Gemma 2)
     rope_layers: list[bool] | None = None  # per layer: rotary applied (SmolLM3 skips every 4th); None: all
+    qk_norm_over_heads: bool = False  # with qk_norm: one RMSNorm over all of q's (k's) heads (OLMo 2)
+    norm_layout: str = "pre"  # "pre": norms before attention and MLP (Llama); "post": after each (OLMo 2)
     extra: dict = field(default_factory=dict)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:

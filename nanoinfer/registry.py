@@ -32,11 +32,15 @@ class Architecture:
     # llama.cpp's converter stores q and k rows in its llama rope order (pairs interleaved in
     # each head) for these families; the loader puts them back in Hugging Face's order.
     gguf_llama_rope: bool = False
+    qk_norm_over_heads: bool = False  # q/k RMSNorm over all heads at once, not per head
+    norm_layout: str = "pre"  # ModelConfig.norm_layout
 
     def adapt(self, config: ModelConfig) -> ModelConfig:
         config.architecture = self.name
         config.attention_bias = config.attention_bias or self.attention_bias
         config.qk_norm = config.qk_norm or self.qk_norm
+        config.qk_norm_over_heads = self.qk_norm_over_heads
+        config.norm_layout = self.norm_layout
         if self.no_rope_step and config.rope_layers is None:
             config.rope_layers = [(i + 1) % self.no_rope_step != 0 for i in range(config.num_layers)]
         return config
@@ -53,6 +57,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("qwen3", ".llama:LlamaForCausalLM", ("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",), qk_norm=True),
     Architecture("smollm3", ".llama:LlamaForCausalLM", ("SmolLM3ForCausalLM",), ("smollm3",), ("smollm3",),
                  no_rope_step=4, gguf_llama_rope=True),
+    Architecture("olmo2", ".olmo2:Olmo2ForCausalLM", ("Olmo2ForCausalLM",), ("olmo2",), ("olmo2",), qk_norm=True,
+                 qk_norm_over_heads=True, norm_layout="post"),
     Architecture("nanochat", ".nanochat:NanochatGPT", checkpoint_format="nanochat"),
 )
 

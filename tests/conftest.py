@@ -73,6 +73,9 @@ def _hf_model(kind: str, vocab_size: int, tie: bool, seed: int = 0):
         cfg = tf.SmolLM3Config(**{**common, "num_hidden_layers": 4}, rope_theta=1000000.0, no_rope_layer_interval=4,
                                pad_token_id=0)
         cls = tf.SmolLM3ForCausalLM
+    elif kind == "olmo2":
+        cfg = tf.Olmo2Config(**common, rope_theta=500000.0, pad_token_id=0)
+        cls = tf.Olmo2ForCausalLM
     elif kind == "mistral":
         cfg = tf.MistralConfig(**common, sliding_window=8)
         cls = tf.MistralForCausalLM

@@ -28,7 +28,8 @@ import torch
 
 from nanoinfer.loaders import gguf as gguf_loader
 
-_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "smollm3": "smollm3"}
+_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "smollm3": "smollm3",
+          "olmo2": "olmo2"}
 # llama.cpp's converter permutes q and k into its llama rope order for these (LlamaModel and
 # its subclasses, SmolLM3Model among them); written here from that fact, not from the loader.
 LLAMA_ROPE = {"llama", "smollm3"}
@@ -37,16 +38,22 @@ LLAMA_ROPE = {"llama", "smollm3"}
 # these exports back with transformers' own GGUF reader.
 _GLOBAL_NAMES = {hf: gguf_name for gguf_name, hf in gguf_loader._GLOBAL_NAMES.items()}
 _LAYER_NAMES = {hf: gguf_name for gguf_name, hf in gguf_loader._LAYER_NAMES.items()}
+# HF's post_attention_layernorm is two different norms: Llama's before the MLP (llama.cpp's
+# ffn_norm) and OLMo 2's on the attention's output (llama.cpp's post_attention_norm).
+_LAYER_NAMES["post_attention_layernorm"] = "ffn_norm"
+_POST_NORM_NAMES = {**_LAYER_NAMES, "post_attention_layernorm": "post_attention_norm"}
+POST_NORM = {"olmo2"}
 
 
-def gguf_tensor_name(hf_name: str) -> str:
+def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
     """model.layers.3.self_attn.q_proj.weight -> blk.3.attn_q.weight"""
     base, _, suffix = hf_name.rpartition(".")
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
+    names = _POST_NORM_NAMES if arch in POST_NORM else _LAYER_NAMES
     parts = base.split(".", 3)  # model, layers, N, rest
-    if parts[:2] == ["model", "layers"] and len(parts) == 4 and parts[3] in _LAYER_NAMES:
-        return f"blk.{parts[2]}.{_LAYER_NAMES[parts[3]]}.{suffix}"
+    if parts[:2] == ["model", "layers"] and len(parts) == 4 and parts[3] in names:
+        return f"blk.{parts[2]}.{names[parts[3]]}.{suffix}"
     raise ValueError(f"no GGUF name for {hf_name}")
 
 
@@ -217,7 +224,7 @@ def write_gguf_from_hf(
     for hf_name, tensor in model.state_dict().items():
         if vocab_only or (hf_name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
-        gguf_name = gguf_tensor_name(hf_name)
+        gguf_name = gguf_tensor_name(hf_name, arch)
         w = tensor.detach().to(torch.float32).cpu().numpy()
         if arch in LLAMA_ROPE and ".attn_q." in gguf_name:
             w = permute_qk(w, n_heads)

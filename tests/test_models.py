@@ -9,7 +9,7 @@ from nanoinfer.models.batch import ForwardBatch
 from nanoinfer.reference import generate_uncached
 
 CASES = [("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True), ("qwen3", False), ("mistral", False),
-         ("smollm3", False), ("smollm3", True)]
+         ("smollm3", False), ("smollm3", True), ("olmo2", False), ("olmo2", True)]
 STEPS = 40
 
 
@@ -77,7 +77,7 @@ def test_hf_folder_parity(make_hf_model, kind, tie):
 
 
 @pytest.mark.parametrize("kind,tie", [("llama", False), ("llama", True), ("qwen2", False), ("qwen3", True),
-                                      ("smollm3", False), ("smollm3", True)])
+                                      ("smollm3", False), ("smollm3", True), ("olmo2", False), ("olmo2", True)])
 def test_gguf_parity(make_hf_model, tiny_tokenizer_dir, tmp_path, kind, tie):
     from gguf_export import write_gguf_from_hf
 

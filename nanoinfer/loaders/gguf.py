@@ -52,7 +52,9 @@ _LAYER_NAMES = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
     "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
+    "ffn_norm": "post_attention_layernorm",  # Llama's norm before the MLP, which HF names so
+    "post_attention_norm": "post_attention_layernorm",  # a norm on the attention's output (OLMo 2)
+    "post_ffw_norm": "post_feedforward_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -429,16 +431,18 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             "attn_k.weight": (kv, h),
             "attn_v.weight": (kv, h),
             "attn_output.weight": (h, q),
-            "attn_norm.weight": (h,),
-            "ffn_norm.weight": (h,),
             "ffn_gate.weight": (cfg.intermediate_size, h),
             "ffn_up.weight": (cfg.intermediate_size, h),
             "ffn_down.weight": (h, cfg.intermediate_size),
         }
+        norms = ("attn_norm", "ffn_norm") if cfg.norm_layout == "pre" else ("post_attention_norm", "post_ffw_norm")
+        layer.update({f"{n}.weight": (h,) for n in norms})
         if cfg.attention_bias:
             layer.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
         if cfg.qk_norm:
-            layer.update({"attn_q_norm.weight": (cfg.head_dim,), "attn_k_norm.weight": (cfg.head_dim,)})
+            whole = cfg.qk_norm_over_heads
+            layer.update({"attn_q_norm.weight": (q if whole else cfg.head_dim,),
+                          "attn_k_norm.weight": (kv if whole else cfg.head_dim,)})
         shapes.update({f"blk.{i}.{k}": v for k, v in layer.items()})
     return shapes
 

@@ -68,9 +68,12 @@ class Attention(nn.Module):
                                   bias=config.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
         self.use_rope = config.rope_layers is None or config.rope_layers[layer]
+        self.qk_norm_over_heads = config.qk_norm_over_heads
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            n = self.num_heads * self.head_dim if self.qk_norm_over_heads else self.head_dim
+            n_k = self.num_kv_heads * self.head_dim if self.qk_norm_over_heads else self.head_dim
+            self.q_norm = RMSNorm(n, config.rms_norm_eps)
+            self.k_norm = RMSNorm(n_k, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
 
@@ -78,7 +81,12 @@ class Attention(nn.Module):
         T, H, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
         v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
-        if not self.use_rope:  # a NoPE layer (SmolLM3)
+        if self.qk_norm_over_heads:  # OLMo 2: each of q and k normed whole, then rotated
+            q = self.q_norm(qkv[:, :H * D])[0].view(T, H, D)
+            k = self.k_norm(qkv[:, H * D:(H + Hkv) * D])[0].view(T, Hkv, D)
+            if self.use_rope:
+                q, k = layer_ops.rope(q, cos, sin), layer_ops.rope(k, cos, sin)
+        elif not self.use_rope:  # a NoPE layer (SmolLM3)
             q, k = qkv[:, :H * D].view(T, H, D), qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D)
             if self.q_norm is not None:
                 q, k = self.q_norm(q)[0], self.k_norm(k)[0]
@@ -144,23 +152,24 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     """Named `model` inside LlamaForCausalLM so that state-dict keys match HF's."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer_class: type[nn.Module]):
         super().__init__()
         # _weight: no random init (the file's weights replace it; on the meta device torch's
         # normal_ would import torch._dynamo, a second of every load)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
     use_decoder_stack = True  # run the layers as one compiled call where they can (models/stack.py)
+    layer_class: type[nn.Module] = DecoderLayer
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.model = Backbone(config)
+        self.model = Backbone(config, self.layer_class)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -202,6 +211,7 @@ class LlamaForCausalLM(nn.Module):
             residual = None
             for layer in self.model.layers:
                 x, residual = layer(x, residual, cos, sin, batch)
-        if batch.logits_indices is not None:
-            x, residual = x[batch.logits_indices], residual[batch.logits_indices]
+        if batch.logits_indices is not None:  # (post-norm layers hand back the whole stream: no residual)
+            x = x[batch.logits_indices]
+            residual = None if residual is None else residual[batch.logits_indices]
         return self.lm_head(self.model.norm(x, residual)[0]).float()
