@@ -34,7 +34,9 @@ class ModelConfig:
     attn_softcap: float | None = None  # attention scores soft-capped to c * tanh(s / c) (Gemma 2)
     rope_layers: list[bool] | None = None  # per layer: rotary applied (SmolLM3 skips every 4th); None: all
     qk_norm_over_heads: bool = False  # with qk_norm: one RMSNorm over all of q's (k's) heads (OLMo 2)
-    norm_layout: str = "pre"  # "pre": norms before attention and MLP (Llama); "post": after each (OLMo 2)
+    norm_layout: str = "pre"  # "pre": norms before attention and MLP (Llama); "post": after each (OLMo 2);
+    #                           "sandwich": both (Gemma 3)
+    rope_theta_local: float | None = None  # rotary base of the sliding-window layers (Gemma 3); None: rope_theta
     extra: dict = field(default_factory=dict)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:

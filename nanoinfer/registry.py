@@ -34,6 +34,10 @@ class Architecture:
     gguf_llama_rope: bool = False
     qk_norm_over_heads: bool = False  # q/k RMSNorm over all heads at once, not per head
     norm_layout: str = "pre"  # ModelConfig.norm_layout
+    # Every n-th layer attends fully, the others within the sliding window (Gemma 3: 6, which
+    # llama.cpp hard-codes); a config.json's layer_types takes precedence.
+    swa_pattern: int | None = None
+    rope_theta_local: float | None = None  # the sliding layers' rotary base when a file does not say
 
     def adapt(self, config: ModelConfig) -> ModelConfig:
         config.architecture = self.name
@@ -41,6 +45,11 @@ class Architecture:
         config.qk_norm = config.qk_norm or self.qk_norm
         config.qk_norm_over_heads = self.qk_norm_over_heads
         config.norm_layout = self.norm_layout
+        if self.swa_pattern and config.sliding_window and config.layer_windows is None:
+            p = self.swa_pattern
+            config.layer_windows = [None if i % p == p - 1 else config.sliding_window for i in range(config.num_layers)]
+        if config.rope_theta_local is None:
+            config.rope_theta_local = self.rope_theta_local
         if self.no_rope_step and config.rope_layers is None:
             config.rope_layers = [(i + 1) % self.no_rope_step != 0 for i in range(config.num_layers)]
         return config
@@ -59,6 +68,8 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                  no_rope_step=4, gguf_llama_rope=True),
     Architecture("olmo2", ".olmo2:Olmo2ForCausalLM", ("Olmo2ForCausalLM",), ("olmo2",), ("olmo2",), qk_norm=True,
                  qk_norm_over_heads=True, norm_layout="post"),
+    Architecture("gemma3", ".gemma3:Gemma3ForCausalLM", ("Gemma3ForCausalLM",), ("gemma3_text",), ("gemma3",),
+                 qk_norm=True, norm_layout="sandwich", swa_pattern=6, rope_theta_local=10000.0),
     Architecture("nanochat", ".nanochat:NanochatGPT", checkpoint_format="nanochat"),
 )
 

@@ -73,6 +73,10 @@ def _hf_model(kind: str, vocab_size: int, tie: bool, seed: int = 0):
         cfg = tf.SmolLM3Config(**{**common, "num_hidden_layers": 4}, rope_theta=1000000.0, no_rope_layer_interval=4,
                                pad_token_id=0)
         cls = tf.SmolLM3ForCausalLM
+    elif kind == "gemma3":  # 6 layers: five within a window of 4, the sixth full
+        cfg = tf.Gemma3TextConfig(**{**common, "num_hidden_layers": 6}, head_dim=32, query_pre_attn_scalar=32,
+                                  sliding_window=4, pad_token_id=0, hidden_activation="gelu_pytorch_tanh")
+        cls = tf.Gemma3ForCausalLM
     elif kind == "olmo2":
         cfg = tf.Olmo2Config(**common, rope_theta=500000.0, pad_token_id=0)
         cls = tf.Olmo2ForCausalLM

