@@ -129,3 +129,19 @@ def test_real_gemma3_gguf_against_transformers():
         want = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
         got = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
         assert got[0].outputs[0].token_ids == want, text
+
+
+def test_sliding_layers_read_only_their_window(make_hf_model):
+    """Gemma 3's five sliding layers of six: the attention kernel gets each layer's window as
+    its input (it starts reading at context - window), and the bench's byte accounting counts
+    only the window's keys for them, so a decode step's KV read stops growing past it."""
+    from nanoinfer.bench.roofline import kv_bytes_read
+
+    _, path = make_hf_model("gemma3")
+    llm = LLM(path)
+    params = llm.engine.runner.attention.params
+    assert [p.window for p in params] == [4, 4, 4, 4, 4, None]
+    cfg = llm.loaded.config
+    per_key = 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    for context in (100, 200):
+        assert kv_bytes_read(cfg, context, 4) == per_key * (5 * 4 + context)  # local layers: 4 keys each
