@@ -32,6 +32,7 @@ class ModelConfig:
     layer_windows: list[int | None] | None = None  # per-layer windows (nanochat); overrides sliding_window
     attn_scale: float | None = None  # softmax scale of q.k; None: 1 / sqrt(head_dim)
     attn_softcap: float | None = None  # attention scores soft-capped to c * tanh(s / c) (Gemma 2)
+    final_softcap: float | None = None  # logits soft-capped the same way (Gemma 2)
     rope_layers: list[bool] | None = None  # per layer: rotary applied (SmolLM3 skips every 4th); None: all
     qk_norm_over_heads: bool = False  # with qk_norm: one RMSNorm over all of q's (k's) heads (OLMo 2)
     norm_layout: str = "pre"  # "pre": norms before attention and MLP (Llama); "post": after each (OLMo 2);

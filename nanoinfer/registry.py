@@ -68,7 +68,9 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                  no_rope_step=4, gguf_llama_rope=True),
     Architecture("olmo2", ".olmo2:Olmo2ForCausalLM", ("Olmo2ForCausalLM",), ("olmo2",), ("olmo2",), qk_norm=True,
                  qk_norm_over_heads=True, norm_layout="post"),
-    Architecture("gemma3", ".gemma3:Gemma3ForCausalLM", ("Gemma3ForCausalLM",), ("gemma3_text",), ("gemma3",),
+    Architecture("gemma2", ".gemma:GemmaForCausalLM", ("Gemma2ForCausalLM",), ("gemma2",), ("gemma2",),
+                 norm_layout="sandwich", swa_pattern=2),
+    Architecture("gemma3", ".gemma:GemmaForCausalLM", ("Gemma3ForCausalLM",), ("gemma3_text",), ("gemma3",),
                  qk_norm=True, norm_layout="sandwich", swa_pattern=6, rope_theta_local=10000.0),
     Architecture("nanochat", ".nanochat:NanochatGPT", checkpoint_format="nanochat"),
 )

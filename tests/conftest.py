@@ -77,6 +77,11 @@ def _hf_model(kind: str, vocab_size: int, tie: bool, seed: int = 0):
         cfg = tf.Gemma3TextConfig(**{**common, "num_hidden_layers": 6}, head_dim=32, query_pre_attn_scalar=32,
                                   sliding_window=4, pad_token_id=0, hidden_activation="gelu_pytorch_tanh")
         cls = tf.Gemma3ForCausalLM
+    elif kind == "gemma2":  # 4 layers, sliding (window 4) and full by turns; soft-caps small enough to act
+        cfg = tf.Gemma2Config(**{**common, "num_hidden_layers": 4}, head_dim=32, query_pre_attn_scalar=32,
+                              sliding_window=4, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                              pad_token_id=0, hidden_activation="gelu_pytorch_tanh")
+        cls = tf.Gemma2ForCausalLM
     elif kind == "olmo2":
         cfg = tf.Olmo2Config(**common, rope_theta=500000.0, pad_token_id=0)
         cls = tf.Olmo2ForCausalLM

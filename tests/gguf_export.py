@@ -29,7 +29,7 @@ import torch
 from nanoinfer.loaders import gguf as gguf_loader
 
 _ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "smollm3": "smollm3",
-          "olmo2": "olmo2", "gemma3_text": "gemma3"}
+          "olmo2": "olmo2", "gemma2": "gemma2", "gemma3_text": "gemma3"}
 # llama.cpp's converter permutes q and k into its llama rope order for these (LlamaModel and
 # its subclasses, SmolLM3Model among them); written here from that fact, not from the loader.
 LLAMA_ROPE = {"llama", "smollm3"}
@@ -43,9 +43,9 @@ _LAYER_NAMES = {hf: gguf_name for gguf_name, hf in gguf_loader._LAYER_NAMES.item
 _LAYER_NAMES["post_attention_layernorm"] = "ffn_norm"
 _POST_NORM_NAMES = {**_LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
                     "pre_feedforward_layernorm": "ffn_norm"}
-POST_NORM = {"olmo2", "gemma3"}
+POST_NORM = {"olmo2", "gemma2", "gemma3"}
 # Gemma's RMSNorm multiplies by (1 + w); llama.cpp's converter stores 1 + w.
-NORM_PLUS_ONE = {"gemma3"}
+NORM_PLUS_ONE = {"gemma2", "gemma3"}
 
 
 def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
@@ -209,8 +209,12 @@ def write_gguf_from_hf(
     writer.add_vocab_size(cfg.vocab_size)
     file_type = getattr(gguf.LlamaFileType, f"MOSTLY_{tensor_type}", gguf.LlamaFileType.ALL_F32)
     writer.add_file_type(int(file_type))
-    if cfg.model_type in ("mistral", "gemma3_text") and getattr(cfg, "sliding_window", None):
+    if cfg.model_type in ("mistral", "gemma2", "gemma3_text") and getattr(cfg, "sliding_window", None):
         writer.add_sliding_window(cfg.sliding_window)
+    if getattr(cfg, "attn_logit_softcapping", None):
+        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+    if getattr(cfg, "final_logit_softcapping", None):
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
 
     kind = rope["rope_type"]
     if kind == "linear":

@@ -13,7 +13,7 @@ from nanoinfer.reference import generate_uncached
 
 CASES = [("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True), ("qwen3", False), ("mistral", False),
          ("smollm3", False), ("smollm3", True), ("olmo2", False), ("olmo2", True),
-         ("gemma3", False), ("gemma3", True)]
+         ("gemma2", False), ("gemma2", True), ("gemma3", False), ("gemma3", True)]
 STEPS = 40
 
 
@@ -82,7 +82,7 @@ def test_hf_folder_parity(make_hf_model, kind, tie):
 
 @pytest.mark.parametrize("kind,tie", [("llama", False), ("llama", True), ("qwen2", False), ("qwen3", True),
                                       ("smollm3", False), ("smollm3", True), ("olmo2", False), ("olmo2", True),
-                                      ("gemma3", False), ("gemma3", True)])
+                                      ("gemma2", False), ("gemma2", True), ("gemma3", False), ("gemma3", True)])
 def test_gguf_parity(make_hf_model, tiny_tokenizer_dir, tmp_path, kind, tie):
     from gguf_export import write_gguf_from_hf
 

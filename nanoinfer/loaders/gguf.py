@@ -344,6 +344,10 @@ def gguf_config(meta: Mapping[str, Any], tensor_shapes: Mapping[str, Sequence[in
         sliding_window=check_int(sliding_window, f"{arch}.attention.sliding_window") if sliding_window else None,
         rope_theta_local=(check_number(local, f"{arch}.rope.freq_base_swa")
                           if (local := meta.get(f"{arch}.rope.freq_base_swa")) is not None else None),
+        attn_softcap=(check_number(cap, f"{arch}.attn_logit_softcapping")
+                      if (cap := meta.get(f"{arch}.attn_logit_softcapping")) else None),
+        final_softcap=(check_number(cap, f"{arch}.final_logit_softcapping")
+                       if (cap := meta.get(f"{arch}.final_logit_softcapping")) else None),
         extra=extra,
     ))
 

@@ -100,8 +100,14 @@ def hf_config(raw: dict) -> ModelConfig:
         layer_windows=layer_windows,
         rope_theta_local=None if theta_local is None else check_number(theta_local, "rope_local_base_freq"),
         attn_scale=None if scalar is None else check_number(scalar, "query_pre_attn_scalar") ** -0.5,
+        attn_softcap=_optional_number(raw, "attn_logit_softcapping"),
+        final_softcap=_optional_number(raw, "final_logit_softcapping"),
         extra={"hf_config": raw},  # the family's own fields, for its module to read
     ))
+
+
+def _optional_number(raw: dict, key: str) -> float | None:
+    return None if raw.get(key) is None else check_number(raw[key], key)
 
 
 def _rope_layers(raw: dict, layers: int) -> list[bool] | None:

@@ -1,11 +1,12 @@
-"""Gemma 3 (text): llama.py's attention with q/k RMSNorm per head, and around it
+"""Gemma 2 and Gemma 3 (text): llama.py's attention (Gemma 3: with q/k RMSNorm per head), and around it
 - the embeddings scaled by sqrt(hidden_size);
 - norms on both sides of attention and of the MLP (input_layernorm, post_attention_layernorm,
   pre_feedforward_layernorm, post_feedforward_layernorm);
 - a GELU (tanh) gated MLP;
-- five sliding-window layers to one full one (ModelConfig.layer_windows), each kind with its
-  own rotary base (rope_theta_local for the sliding ones);
-- q.k scaled by query_pre_attn_scalar ** -0.5 (ModelConfig.attn_scale), the LM head tied.
+- sliding-window layers and full ones (ModelConfig.layer_windows: Gemma 2 alternates, Gemma 3
+  has five sliding to one full, each kind with its own rotary base, rope_theta_local);
+- q.k scaled by query_pre_attn_scalar ** -0.5 (ModelConfig.attn_scale), the LM head tied;
+- Gemma 2: attention scores and the final logits soft-capped (attn_softcap, final_softcap).
 
 Norm weights: Gemma's RMSNorm multiplies by (1 + w). GGUF files store 1 + w already; a
 Hugging Face checkpoint stores w, and 1 is added here at load, so the module multiplies by
@@ -36,7 +37,7 @@ class GeluMLP(nn.Module):
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
-class Gemma3DecoderLayer(nn.Module):
+class GemmaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.sliding = config.windows()[layer] is not None
@@ -55,9 +56,9 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)[0]))[0]
 
 
-class Gemma3ForCausalLM(LlamaForCausalLM):
+class GemmaForCausalLM(LlamaForCausalLM):
     use_decoder_stack = False  # the compiled stack is written for Llama's pre-norm layers
-    layer_class = Gemma3DecoderLayer
+    layer_class = GemmaDecoderLayer
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
@@ -87,4 +88,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             x = layer(x, rotary, batch)
         if batch.logits_indices is not None:
             x = x[batch.logits_indices]
-        return self.lm_head(self.model.norm(x)[0]).float()
+        logits = self.lm_head(self.model.norm(x)[0]).float()
+        if self.config.final_softcap:
+            c = self.config.final_softcap
+            logits = torch.tanh(logits / c) * c
+        return logits
