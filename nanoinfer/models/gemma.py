@@ -18,23 +18,11 @@ from dataclasses import replace
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from ..config import ModelConfig
 from .batch import ForwardBatch
-from .llama import Attention, LlamaForCausalLM, RMSNorm, rope_inv_freq
+from .llama import MLP, Attention, LlamaForCausalLM, RMSNorm, rope_inv_freq
 from .rotary import RotaryTable
-
-
-class GeluMLP(nn.Module):
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -42,7 +30,7 @@ class GemmaDecoderLayer(nn.Module):
         super().__init__()
         self.sliding = config.windows()[layer] is not None
         self.self_attn = Attention(config, layer)
-        self.mlp = GeluMLP(config)
+        self.mlp = MLP(config, "gelu_tanh")
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)

@@ -13,6 +13,7 @@ import math
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from ..config import ModelConfig
 from ..kernels import layer_ops
@@ -100,13 +101,21 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """The gated MLP: down(act(gate) * up), gate and up in one matmul. act: "silu" (Llama) or
+    "gelu_tanh" (Gemma)."""
+
+    def __init__(self, config: ModelConfig, act: str = "silu"):
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(layer_ops.silu_mul(self.gate_up_proj(x)))
+        h = self.gate_up_proj(x)
+        if self.act == "silu":
+            return self.down_proj(layer_ops.silu_mul(h))
+        gate, up = h.chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
 def fuse_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
