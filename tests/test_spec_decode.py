@@ -232,3 +232,57 @@ def test_constrained_rows_speculate_exactly(default_gguf, sampling):
     assert outputs(spec) == base
     assert spec.engine.spec_accepted > 20
     assert all(reason == "stop" for _, reason, _ in base)
+
+
+class ScriptedToolUser(torch.nn.Module):
+    """Next token = script[input token] (else the script's first token): a cycle that calls the
+    calculator, `<|python_start|>2+3<|python_end|>`, then writes on."""
+
+    def __init__(self, config, script: dict[int, int], first: int):
+        super().__init__()
+        self.config, self.script, self.first = config, script, first
+        self.anchor = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, batch):
+        ids = batch.input_ids if batch.logits_indices is None else batch.input_ids[batch.logits_indices]
+        logits = torch.zeros(len(ids), self.config.vocab_size)
+        for row, t in enumerate(ids.tolist()):
+            logits[row, self.script.get(t, self.first)] = 10.0
+        return logits
+
+
+def test_tool_calls_under_speculation():
+    """A nanochat vocabulary, a model that calls the calculator in a loop, and n-gram guesses
+    that run across the call (the guesses repeat earlier rounds, forced output included): the
+    tool state machine sees exactly the accepted tokens, so the tokens and their mask (1 sampled,
+    0 forced) are the same with speculation as without."""
+    from nanoinfer.config import ModelConfig
+    from nanoinfer.engine import EngineConfig, LLMEngine
+    from nanoinfer.models.builder import LoadedModel
+    from nanoinfer.tokenizer import NanochatTokenizer
+
+    from nanochat_fixtures import build_encoding
+
+    tok = NanochatTokenizer(build_encoding())
+    enc = [tok.encode(t, add_special_tokens=False)[0] for t in ("a", "2", "+", "3", "b")]
+    a, two, plus, three, b = enc
+    start, end = tok.token_to_id("<|python_start|>"), tok.token_to_id("<|python_end|>")
+    out_end = tok.token_to_id("<|output_end|>")
+    script = {a: start, start: two, two: plus, plus: three, three: end, out_end: b, b: a}
+    config = ModelConfig("scripted", tok.vocab_size, 8, 16, 1, 1, 1, 8, max_position_embeddings=256)
+
+    def run(spec):
+        engine = LLMEngine(LoadedModel(ScriptedToolUser(config, script, a), tok, config, None, "scripted", 0.0),
+                           EngineConfig(speculative_config=spec))
+        assert engine.tools
+        engine.add_request("r", [a, b], SamplingParams(temperature=0, max_tokens=60))
+        while engine.has_unfinished():
+            engine.step()
+        out = engine.release("r").outputs[0]
+        return out.token_ids, out.token_masks, engine
+
+    base_ids, base_mask, _ = run(None)
+    ids, mask, engine = run({**NGRAM, "min_hit_rate": 0.0})
+    assert (ids, mask) == (base_ids, base_mask)
+    assert base_mask.count(0) >= 9  # at least three calls answered: <|output_start|> 5 <|output_end|>
+    assert engine.spec_accepted > 10
