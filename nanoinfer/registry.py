@@ -37,6 +37,7 @@ class Architecture:
     # Every n-th layer attends fully, the others within the sliding window (Gemma 3: 6, which
     # llama.cpp hard-codes); a config.json's layer_types takes precedence.
     swa_pattern: int | None = None
+    gguf_fused: bool = False  # a GGUF holds q/k/v as one attn_qkv and gate/up as one ffn_up (llama.cpp's phi3)
     rope_theta_local: float | None = None  # the sliding layers' rotary base when a file does not say
 
     def adapt(self, config: ModelConfig) -> ModelConfig:
@@ -66,6 +67,9 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("qwen3", ".llama:LlamaForCausalLM", ("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",), qk_norm=True),
     Architecture("smollm3", ".llama:LlamaForCausalLM", ("SmolLM3ForCausalLM",), ("smollm3",), ("smollm3",),
                  no_rope_step=4, gguf_llama_rope=True),
+    # Phi-3 checkpoints hold q/k/v and gate/up fused, as llama.py's module does (llama.cpp: attn_qkv, ffn_up).
+    Architecture("phi3", ".llama:LlamaForCausalLM", ("Phi3ForCausalLM",), ("phi3",), ("phi3",), sliding_window=True,
+                 gguf_fused=True),
     Architecture("olmo2", ".olmo2:Olmo2ForCausalLM", ("Olmo2ForCausalLM",), ("olmo2",), ("olmo2",), qk_norm=True,
                  qk_norm_over_heads=True, norm_layout="post"),
     Architecture("gemma2", ".gemma:GemmaForCausalLM", ("Gemma2ForCausalLM",), ("gemma2",), ("gemma2",),

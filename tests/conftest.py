@@ -82,6 +82,9 @@ def _hf_model(kind: str, vocab_size: int, tie: bool, seed: int = 0):
                               sliding_window=4, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
                               pad_token_id=0, hidden_activation="gelu_pytorch_tanh")
         cls = tf.Gemma2ForCausalLM
+    elif kind == "phi3":  # q/k/v and gate/up fused in the checkpoint; a sliding window of 8
+        cfg = tf.Phi3Config(**common, rope_theta=10000.0, sliding_window=8, pad_token_id=0)
+        cls = tf.Phi3ForCausalLM
     elif kind == "olmo2":
         cfg = tf.Olmo2Config(**common, rope_theta=500000.0, pad_token_id=0)
         cls = tf.Olmo2ForCausalLM

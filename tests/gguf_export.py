@@ -29,7 +29,7 @@ import torch
 from nanoinfer.loaders import gguf as gguf_loader
 
 _ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "smollm3": "smollm3",
-          "olmo2": "olmo2", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+          "olmo2": "olmo2", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
 # llama.cpp's converter permutes q and k into its llama rope order for these (LlamaModel and
 # its subclasses, SmolLM3Model among them); written here from that fact, not from the loader.
 LLAMA_ROPE = {"llama", "smollm3"}
@@ -54,6 +54,8 @@ def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
     names = _POST_NORM_NAMES if arch in POST_NORM else _LAYER_NAMES
+    if arch == "phi3":  # llama.cpp keeps Phi-3's fused gate/up as one ffn_up
+        names = {**names, "mlp.gate_up_proj": "ffn_up"}
     parts = base.split(".", 3)  # model, layers, N, rest
     if parts[:2] == ["model", "layers"] and len(parts) == 4 and parts[3] in names:
         return f"blk.{parts[2]}.{names[parts[3]]}.{suffix}"
@@ -209,7 +211,7 @@ def write_gguf_from_hf(
     writer.add_vocab_size(cfg.vocab_size)
     file_type = getattr(gguf.LlamaFileType, f"MOSTLY_{tensor_type}", gguf.LlamaFileType.ALL_F32)
     writer.add_file_type(int(file_type))
-    if cfg.model_type in ("mistral", "gemma2", "gemma3_text") and getattr(cfg, "sliding_window", None):
+    if cfg.model_type in ("mistral", "gemma2", "gemma3_text", "phi3") and getattr(cfg, "sliding_window", None):
         writer.add_sliding_window(cfg.sliding_window)
     if getattr(cfg, "attn_logit_softcapping", None):
         writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)

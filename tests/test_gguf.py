@@ -123,12 +123,13 @@ def test_export_permutation_matches_transformers(make_hf_model, tmp_path):
         assert torch.equal(theirs[name], ref), name
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "phi3"])
 @pytest.mark.parametrize("tie", [True, False])
-def test_gemma_export_read_by_transformers(make_hf_model, tmp_path, kind, tie):
-    """Our Gemma exports (norms stored as 1 + w, sandwich norm names, q/k unpermuted) read by
-    transformers' own GGUF reader give back the original weights: the conventions our loader
-    is tested against are llama.cpp's, not only our exporter's."""
+def test_export_read_by_transformers(make_hf_model, tmp_path, kind, tie):
+    """Our Gemma exports (norms stored as 1 + w, sandwich norm names, q/k unpermuted) and Phi-3
+    exports (attn_qkv, ffn_up holding gate and up) read by transformers' own GGUF reader give
+    back the original weights: the conventions our loader is tested against are llama.cpp's,
+    not only our exporter's."""
     if kind == "gemma2" and not tie:
         pytest.skip("Gemma 2 always ties its LM head; transformers' GGUF reader (like llama.cpp) reads no output.weight")
     model, _ = make_hf_model(kind, tie)
@@ -140,7 +141,8 @@ def test_gemma_export_read_by_transformers(make_hf_model, tmp_path, kind, tie):
             continue
         torch.testing.assert_close(theirs[name], ref, atol=1e-6, rtol=0, msg=name)
         checked += 1
-    assert checked == len(theirs) and any("pre_feedforward_layernorm" in n for n in theirs)
+    assert checked == len(theirs)
+    assert any(("pre_feedforward_layernorm" if kind != "phi3" else "gate_up_proj") in n for n in theirs)
 
 
 @pytest.mark.parametrize("kind,tensor_type", [

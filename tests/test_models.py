@@ -13,7 +13,7 @@ from nanoinfer.reference import generate_uncached
 
 CASES = [("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True), ("qwen3", False), ("mistral", False),
          ("smollm3", False), ("smollm3", True), ("olmo2", False), ("olmo2", True),
-         ("gemma2", False), ("gemma2", True), ("gemma3", False), ("gemma3", True)]
+         ("gemma2", False), ("gemma2", True), ("gemma3", False), ("gemma3", True), ("phi3", False), ("phi3", True)]
 STEPS = 40
 
 
@@ -82,7 +82,8 @@ def test_hf_folder_parity(make_hf_model, kind, tie):
 
 @pytest.mark.parametrize("kind,tie", [("llama", False), ("llama", True), ("qwen2", False), ("qwen3", True),
                                       ("smollm3", False), ("smollm3", True), ("olmo2", False), ("olmo2", True),
-                                      ("gemma2", False), ("gemma2", True), ("gemma3", False), ("gemma3", True)])
+                                      ("gemma2", False), ("gemma2", True), ("gemma3", False), ("gemma3", True),
+                                      ("phi3", False), ("phi3", True)])
 def test_gguf_parity(make_hf_model, tiny_tokenizer_dir, tmp_path, kind, tie):
     from gguf_export import write_gguf_from_hf
 
@@ -145,3 +146,18 @@ def test_sliding_layers_read_only_their_window(make_hf_model):
     per_key = 2 * cfg.num_kv_heads * cfg.head_dim * 4
     for context in (100, 200):
         assert kv_bytes_read(cfg, context, 4) == per_key * (5 * 4 + context)  # local layers: 4 keys each
+
+
+def test_phi3_variants_not_served_are_clear_errors():
+    """Phi-4-mini's partial rotary and Phi-3 128k's LongRoPE are not implemented: loading says so
+    in one line instead of running with the wrong rotary."""
+    from nanoinfer.errors import ModelLoadError
+    from nanoinfer.loaders.hf import hf_config
+
+    base = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    assert hf_config(base).architecture == "phi3"
+    with pytest.raises(ModelLoadError, match="partial rotary"):
+        hf_config({**base, "partial_rotary_factor": 0.75})
+    with pytest.raises(ModelLoadError, match="'longrope' is not supported"):
+        hf_config({**base, "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}})

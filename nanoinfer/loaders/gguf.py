@@ -49,6 +49,7 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # fused (phi3)
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
     "attn_norm": "input_layernorm",
@@ -387,7 +388,7 @@ def _llama3_rope_scaling(rope_factors: np.ndarray, theta: float, head_dim: int) 
 # ----------------------------------------------------------------------------- tensors
 
 
-def _hf_name(gguf_name: str, norm_layout: str = "pre") -> str | None:
+def _hf_name(gguf_name: str, norm_layout: str = "pre", fused: bool = False) -> str | None:
     base, _, suffix = gguf_name.rpartition(".")
     if base in _GLOBAL_NAMES and suffix == "weight":
         return f"{_GLOBAL_NAMES[base]}.weight"
@@ -395,7 +396,7 @@ def _hf_name(gguf_name: str, norm_layout: str = "pre") -> str | None:
     if m and m.group(2) in _LAYER_NAMES:
         # with norms on both sides (Gemma), ffn_norm is the one before the MLP, HF's pre_feedforward_layernorm
         name = "pre_feedforward_layernorm" if norm_layout == "sandwich" and m.group(2) == "ffn_norm" \
-            else _LAYER_NAMES[m.group(2)]
+            else "mlp.gate_up_proj" if fused and m.group(2) == "ffn_up" else _LAYER_NAMES[m.group(2)]
         return f"model.layers.{m.group(1)}.{name}.{m.group(3)}"
     return None
 
@@ -435,15 +436,13 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not cfg.tie_word_embeddings:
         shapes["output.weight"] = (cfg.vocab_size, h)
     for i in range(cfg.num_layers):
-        layer = {
-            "attn_q.weight": (q, h),
-            "attn_k.weight": (kv, h),
-            "attn_v.weight": (kv, h),
-            "attn_output.weight": (h, q),
-            "ffn_gate.weight": (cfg.intermediate_size, h),
-            "ffn_up.weight": (cfg.intermediate_size, h),
-            "ffn_down.weight": (h, cfg.intermediate_size),
-        }
+        ff = cfg.intermediate_size
+        if registry.by_name(cfg.architecture).gguf_fused:  # phi3: q/k/v in one tensor, gate/up in ffn_up
+            layer = {"attn_qkv.weight": (q + 2 * kv, h), "ffn_up.weight": (2 * ff, h)}
+        else:
+            layer = {"attn_q.weight": (q, h), "attn_k.weight": (kv, h), "attn_v.weight": (kv, h),
+                     "ffn_gate.weight": (ff, h), "ffn_up.weight": (ff, h)}
+        layer.update({"attn_output.weight": (h, q), "ffn_down.weight": (h, ff)})
         norms = {"pre": ("attn_norm", "ffn_norm"), "post": ("post_attention_norm", "post_ffw_norm"),
                  "sandwich": ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm")}[cfg.norm_layout]
         layer.update({f"{n}.weight": (h,) for n in norms})
@@ -469,6 +468,8 @@ def load_gguf(
         raise ModelLoadError(f"{path} holds no tensors (a vocab-only GGUF?); it cannot be loaded as a model")
     shapes = {t.name: t.shape for t in gf.tensors}
     cfg = gguf_config(gf.meta, shapes)
+    if "rope_factors_long.weight" in shapes:
+        raise ModelLoadError(f"{path}: LongRoPE (rope_factors_long/short, Phi-3 128k) is not supported yet")
 
     expected = _expected_shapes(cfg)
     for name, shape in expected.items():
@@ -485,7 +486,7 @@ def load_gguf(
                 cfg.rope_scaling = _llama3_rope_scaling(factors, cfg.rope_theta, cfg.head_dim)
                 cfg.extra["rope_freqs"] = factors.ravel().tolist()
             continue
-        hf_name = _hf_name(info.name, cfg.norm_layout)
+        hf_name = _hf_name(info.name, cfg.norm_layout, registry.by_name(cfg.architecture).gguf_fused)
         if hf_name is None or info.name not in expected:
             raise ModelLoadError(f"unexpected tensor {info.name!r} in a {cfg.architecture} GGUF file")
         llama_rope = registry.by_name(cfg.architecture).gguf_llama_rope

@@ -63,9 +63,15 @@ def hf_config(raw: dict) -> ModelConfig:
     if isinstance(rope.get("full_attention"), dict):  # per layer type (Gemma 3): full layers, sliding ones
         local_rope = rope.get("sliding_attention") if isinstance(rope.get("sliding_attention"), dict) else None
         rope = dict(rope["full_attention"])
+    partial = rope.pop("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if partial is not None and partial != 1:
+        raise ModelLoadError(f"partial_rotary_factor={partial!r:.20}: partial rotary embeddings are not supported")
     theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
     theta_local = (local_rope or {}).get("rope_theta", raw.get("rope_local_base_freq"))
     scaling = _dict(raw, "rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
+    if kind not in (None, "default", "linear", "llama3"):
+        raise ModelLoadError(f"rope scaling {kind!r:.30} is not supported (linear and llama3 are)")
     for key in _ROPE_NUMBERS:
         if scaling and key in scaling:
             check_number(scaling[key], f"rope_scaling.{key}")
