@@ -230,7 +230,7 @@ class LLMEngine:
         # sample their first token from their parent's row, in the same grammar state).
         # A row checking a proposed token takes the grammar's state after the guesses before it.
         constrained, j = [], 0
-        for row, i in enumerate(samplers):
+        for row, i in enumerate(samplers if any(s.grammar is not None for s in batch.seqs) else ()):
             j = j + 1 if row and samplers[row - 1] == i else 0  # which of the sequence's rows (0: its own)
             seq = batch.seqs[i]
             if seq.grammar is not None:
@@ -297,8 +297,7 @@ class LLMEngine:
             if seq.spec_hit_rate < self.spec.min_hit_rate and seq.spec_idle_steps < self.spec.retry_after:
                 continue  # its guesses have been missing: checking them costs more than they save
             asking.append(seq)
-        guesses = self.proposer.propose_many([((s.request_id, s.index), s.all_ids,
-                                               min(self.spec.num_speculative_tokens, s.tokens_left - 1))
+        guesses = self.proposer.propose_many([((s.request_id, s.index), s.all_ids, min(k, s.tokens_left - 1))
                                               for s in asking])
         for seq, spec in zip(asking, guesses):
             if seq.grammar is not None:  # guesses the grammar forbids could never be accepted
