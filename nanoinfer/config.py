@@ -12,6 +12,19 @@ MAX_SIZE = (1 << 31) - 1
 
 
 @dataclass
+class MoeSpec:
+    """A mixture-of-experts MLP: each token goes to the top_k of num_experts routed experts
+    (softmax over the router's logits, top_k kept, renormalised to sum 1 when norm_topk_prob),
+    plus, in Qwen2-MoE, a shared expert gated by sigmoid(shared_expert_gate(x))."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each routed expert's
+    norm_topk_prob: bool
+    shared_intermediate_size: int | None = None
+    sparse_layers: list[bool] | None = None  # per layer: experts (True) or the dense MLP; None: all experts
+
+
+@dataclass
 class ModelConfig:
     architecture: str  # a registry name: "llama", "qwen2", "qwen3", "mistral", "smollm3", "olmo2", "nanochat"
     vocab_size: int
@@ -38,11 +51,20 @@ class ModelConfig:
     norm_layout: str = "pre"  # "pre": norms before attention and MLP (Llama); "post": after each (OLMo 2);
     #                           "sandwich": both (Gemma 3)
     rope_theta_local: float | None = None  # rotary base of the sliding-window layers (Gemma 3); None: rope_theta
+    rotary_dim: int | None = None  # rotary on the first rotary_dim dims of each head (Phi-4-mini); None: all
+    moe: MoeSpec | None = None  # experts in place of the MLP (Qwen2-MoE, Qwen3-MoE, Mixtral)
     extra: dict = field(default_factory=dict)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V of one token in every layer."""
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def rotary_dims(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    def sparse(self, layer: int) -> bool:
+        """The layer's MLP is a mixture of experts."""
+        return self.moe is not None and (self.moe.sparse_layers is None or self.moe.sparse_layers[layer])
 
     def windows(self) -> list[int | None]:
         """The attention window of each layer (None = full causal)."""

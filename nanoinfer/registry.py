@@ -39,6 +39,16 @@ class Architecture:
     swa_pattern: int | None = None
     gguf_fused: bool = False  # a GGUF holds q/k/v as one attn_qkv and gate/up as one ffn_up (llama.cpp's phi3)
     rope_theta_local: float | None = None  # the sliding layers' rotary base when a file does not say
+    # Mixture of experts: whether the top-k routing weights are renormalised to sum 1. A
+    # family that always does (Mixtral) says True; None: config.json's norm_topk_prob decides
+    # (transformers' default False). A GGUF states it only in newer files (expert_weights_norm);
+    # otherwise llama.cpp's fixed choice for the architecture holds, gguf_moe_norm_topk.
+    moe_norm_topk: bool | None = None
+    gguf_moe_norm_topk: bool = False
+
+    @property
+    def is_moe(self) -> bool:
+        return self.model.startswith(".moe:")
 
     def adapt(self, config: ModelConfig) -> ModelConfig:
         config.architecture = self.name
@@ -76,6 +86,14 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                  norm_layout="sandwich", swa_pattern=2),
     Architecture("gemma3", ".gemma:GemmaForCausalLM", ("Gemma3ForCausalLM",), ("gemma3_text",), ("gemma3",),
                  qk_norm=True, norm_layout="sandwich", swa_pattern=6, rope_theta_local=10000.0),
+    # Mixtures of experts: llama.py's attention, models/moe.py's routed experts.
+    Architecture("qwen2moe", ".moe:MoeForCausalLM", ("Qwen2MoeForCausalLM",), ("qwen2_moe",), ("qwen2moe",),
+                 attention_bias=True),
+    Architecture("qwen3moe", ".moe:MoeForCausalLM", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), ("qwen3moe",),
+                 qk_norm=True, gguf_moe_norm_topk=True),
+    # llama.cpp converts Mixtral to its "llama" architecture with expert tensors; the GGUF loader tells them apart.
+    Architecture("mixtral", ".moe:MoeForCausalLM", ("MixtralForCausalLM",), ("mixtral",), sliding_window=True,
+                 gguf_llama_rope=True, moe_norm_topk=True, gguf_moe_norm_topk=True),
     Architecture("nanochat", ".nanochat:NanochatGPT", checkpoint_format="nanochat"),
 )
 

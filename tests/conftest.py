@@ -88,6 +88,27 @@ def _hf_model(kind: str, vocab_size: int, tie: bool, seed: int = 0):
     elif kind == "olmo2":
         cfg = tf.Olmo2Config(**common, rope_theta=500000.0, pad_token_id=0)
         cls = tf.Olmo2ForCausalLM
+    elif kind == "qwen2moe":  # 4 experts, 2 per token, a shared expert; routing weights not renormalised
+        cfg = tf.Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                shared_expert_intermediate_size=48, norm_topk_prob=False, rope_theta=1000000.0)
+        cls = tf.Qwen2MoeForCausalLM
+    elif kind in ("qwen3moe", "qwen3moe_dense"):  # weights renormalised; _dense: 3 layers, the middle one a
+        #                                           dense MLP (mlp_only_layers: Hugging Face only, llama.cpp has none)
+        layers = {"num_hidden_layers": 3, "mlp_only_layers": [1]} if kind == "qwen3moe_dense" else {}
+        cfg = tf.Qwen3MoeConfig(**{**common, **layers}, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=32, norm_topk_prob=True, rope_theta=1000000.0)
+        cls = tf.Qwen3MoeForCausalLM
+    elif kind == "mixtral":
+        cfg = tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, rope_theta=1000000.0)
+        cls = tf.MixtralForCausalLM
+    elif kind == "phi3_longrope":  # Phi-4-mini's shape: rotary on 3/4 of each head, LongRoPE past 64 positions
+        pairs = 6  # (16 * 3/4) / 2
+        g = torch.Generator().manual_seed(5)
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                "short_factor": (1 + torch.rand(pairs, generator=g)).tolist(),
+                "long_factor": (2 + 4 * torch.rand(pairs, generator=g)).tolist()}
+        cfg = tf.Phi3Config(**common, rope_parameters=rope, original_max_position_embeddings=64, pad_token_id=0)
+        cls = tf.Phi3ForCausalLM
     elif kind == "mistral":
         cfg = tf.MistralConfig(**common, sliding_window=8)
         cls = tf.MistralForCausalLM

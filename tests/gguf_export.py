@@ -29,7 +29,8 @@ import torch
 from nanoinfer.loaders import gguf as gguf_loader
 
 _ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "smollm3": "smollm3",
-          "olmo2": "olmo2", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
+          "olmo2": "olmo2", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3",
+          "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
 # llama.cpp's converter permutes q and k into its llama rope order for these (LlamaModel and
 # its subclasses, SmolLM3Model among them); written here from that fact, not from the loader.
 LLAMA_ROPE = {"llama", "smollm3"}
@@ -46,6 +47,9 @@ _POST_NORM_NAMES = {**_LAYER_NAMES, "post_attention_layernorm": "post_attention_
 POST_NORM = {"olmo2", "gemma2", "gemma3"}
 # Gemma's RMSNorm multiplies by (1 + w); llama.cpp's converter stores 1 + w.
 NORM_PLUS_ONE = {"gemma2", "gemma3"}
+# transformers 5 holds each layer's experts stacked: gate_up [experts, 2 * ff, h], down [experts, h, ff];
+# llama.cpp stores ffn_gate_exps and ffn_up_exps [experts, ff, h] and ffn_down_exps.
+_STACKED_EXPERTS = {"mlp.experts.gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "mlp.experts.down_proj": ("ffn_down_exps",)}
 
 
 def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
@@ -59,6 +63,9 @@ def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
     parts = base.split(".", 3)  # model, layers, N, rest
     if parts[:2] == ["model", "layers"] and len(parts) == 4 and parts[3] in names:
         return f"blk.{parts[2]}.{names[parts[3]]}.{suffix}"
+    parts = hf_name.split(".", 3)
+    if parts[:2] == ["model", "layers"] and len(parts) == 4 and parts[3] in _STACKED_EXPERTS:  # (no .weight)
+        return ",".join(f"blk.{parts[2]}.{n}.weight" for n in _STACKED_EXPERTS[parts[3]])
     raise ValueError(f"no GGUF name for {hf_name}")
 
 
@@ -205,7 +212,8 @@ def write_gguf_from_hf(
     writer.add_head_count_kv(n_kv)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    rotary_dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+    writer.add_rope_dimension_count(rotary_dim)
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
@@ -218,8 +226,24 @@ def write_gguf_from_hf(
     if getattr(cfg, "final_logit_softcapping", None):
         writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
 
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if experts:  # llama.cpp's expert keys; Mixtral's experts are its intermediate_size
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        if getattr(cfg, "moe_intermediate_size", None):
+            writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if getattr(cfg, "shared_expert_intermediate_size", None):
+            writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+
     kind = rope["rope_type"]
-    if kind == "linear":
+    if kind == "longrope" and not vocab_only:  # llama.cpp's phi3: factor tensors, original context, attention factor
+        original = rope.get("original_max_position_embeddings") or cfg.original_max_position_embeddings
+        scale = cfg.max_position_embeddings / original
+        writer.add_rope_scaling_attn_factors(1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(original)))
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    elif kind == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
     elif kind == "yarn":
@@ -237,6 +261,15 @@ def write_gguf_from_hf(
             continue
         gguf_name = gguf_tensor_name(hf_name, arch)
         w = tensor.detach().to(torch.float32).cpu().numpy()
+        if "," in gguf_name:  # stacked experts: gate and up are the two halves of each expert's rows
+            for name, part in zip(gguf_name.split(","), np.split(w, len(gguf_name.split(",")), axis=1)):
+                data, dtype = _encode(np.ascontiguousarray(part), qtype)
+                writer.add_tensor(name, data, raw_dtype=dtype if data.dtype == np.uint8 else None)
+            continue
+        if gguf_name.endswith((".ffn_gate_inp.weight", ".ffn_gate_inp_shexp.weight")):
+            # llama.cpp keeps routers in F32 when quantising; the shared gate is one row, stored 1-D
+            writer.add_tensor(gguf_name, (w.reshape(-1) if w.shape[0] == 1 else w).astype(np.float32))
+            continue
         if arch in NORM_PLUS_ONE and hf_name.endswith("norm.weight"):
             w = w + 1.0
         if arch in LLAMA_ROPE and ".attn_q." in gguf_name:

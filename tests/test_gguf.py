@@ -123,13 +123,14 @@ def test_export_permutation_matches_transformers(make_hf_model, tmp_path):
         assert torch.equal(theirs[name], ref), name
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe"])
 @pytest.mark.parametrize("tie", [True, False])
 def test_export_read_by_transformers(make_hf_model, tmp_path, kind, tie):
-    """Our Gemma exports (norms stored as 1 + w, sandwich norm names, q/k unpermuted) and Phi-3
-    exports (attn_qkv, ffn_up holding gate and up) read by transformers' own GGUF reader give
-    back the original weights: the conventions our loader is tested against are llama.cpp's,
-    not only our exporter's."""
+    """Our Gemma exports (norms stored as 1 + w, sandwich norm names, q/k unpermuted), Phi-3
+    exports (attn_qkv, ffn_up holding gate and up) and Qwen MoE exports (experts stacked in
+    ffn_{gate,up,down}_exps, the router ffn_gate_inp, the shared expert's *_shexp and its 1-D
+    gate) read by transformers' own GGUF reader give back the original weights: the
+    conventions our loader is tested against are llama.cpp's, not only our exporter's."""
     if kind == "gemma2" and not tie:
         pytest.skip("Gemma 2 always ties its LM head; transformers' GGUF reader (like llama.cpp) reads no output.weight")
     model, _ = make_hf_model(kind, tie)
@@ -142,7 +143,8 @@ def test_export_read_by_transformers(make_hf_model, tmp_path, kind, tie):
         torch.testing.assert_close(theirs[name], ref, atol=1e-6, rtol=0, msg=name)
         checked += 1
     assert checked == len(theirs)
-    assert any(("pre_feedforward_layernorm" if kind != "phi3" else "gate_up_proj") in n for n in theirs)
+    marker = {"phi3": "gate_up_proj", "qwen2moe": "shared_expert_gate", "qwen3moe": "experts.down_proj"}
+    assert any(marker.get(kind, "pre_feedforward_layernorm") in n for n in theirs)
 
 
 @pytest.mark.parametrize("kind,tensor_type", [
@@ -467,8 +469,10 @@ def test_missing_tensor_and_metadata(tmp_path):
     _write_raw_llama(tmp_path / "m.gguf", Q.F32, np.random.default_rng(0), skip="blk.0.ffn_up.weight")
     _one_line_error(load_gguf, tmp_path / "m.gguf", match=r"lacks tensor blk\.0\.ffn_up\.weight")
     meta = read_gguf_metadata(tmp_path / "m.gguf")
-    with pytest.raises(ModelLoadError, match="partial rotary"):
-        gguf_config({**meta, "llama.rope.dimension_count": 32})
+    head_dim = gguf_config(meta).head_dim
+    with pytest.raises(ModelLoadError, match=r"llama\.rope\.dimension_count must be an integer in \[1, "):
+        gguf_config({**meta, "llama.rope.dimension_count": head_dim + 2})
+    assert gguf_config({**meta, "llama.rope.dimension_count": head_dim - 2}).rotary_dims() == head_dim - 2
     del meta["llama.block_count"]
     with pytest.raises(ModelLoadError, match=r"llama\.block_count"):
         gguf_config(meta)

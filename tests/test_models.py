@@ -13,7 +13,9 @@ from nanoinfer.reference import generate_uncached
 
 CASES = [("llama", False), ("llama", True), ("qwen2", False), ("qwen2", True), ("qwen3", False), ("mistral", False),
          ("smollm3", False), ("smollm3", True), ("olmo2", False), ("olmo2", True),
-         ("gemma2", False), ("gemma2", True), ("gemma3", False), ("gemma3", True), ("phi3", False), ("phi3", True)]
+         ("gemma2", False), ("gemma2", True), ("gemma3", False), ("gemma3", True), ("phi3", False), ("phi3", True),
+         ("qwen2moe", False), ("qwen2moe", True), ("qwen3moe", False), ("qwen3moe", True),
+         ("qwen3moe_dense", False), ("mixtral", False), ("mixtral", True)]
 STEPS = 40
 
 
@@ -49,10 +51,10 @@ def engine_greedy(llm: LLM, ids: list[int], steps: int):
     return out[0].outputs[0].token_ids, captured
 
 
-def check_parity(hf_model, path, steps: int = STEPS):
+def check_parity(hf_model, path, steps: int = STEPS, prompt_len: int = 12, **engine_args):
     # block_size 4 and a budget of 5 tokens: the prompt is prefilled in chunks across blocks
-    llm = LLM(path, block_size=4, max_num_batched_tokens=5)
-    ids = prompt_ids(llm.loaded.config.vocab_size)
+    llm = LLM(path, block_size=4, max_num_batched_tokens=5, **engine_args)
+    ids = prompt_ids(llm.loaded.config.vocab_size, n=prompt_len)
     with torch.no_grad():  # prefill, uncached: every position's logits
         ref = hf_model(torch.tensor([ids])).logits[0].float()
         ours = llm.loaded.model(ForwardBatch.whole(torch.tensor(ids)))
@@ -75,7 +77,7 @@ def test_hf_folder_parity(make_hf_model, kind, tie):
     hf_model, path = make_hf_model(kind, tie)
     llm = check_parity(hf_model, path)
     config = llm.loaded.config
-    assert config.architecture == kind
+    assert config.architecture == kind.removesuffix("_dense")
     assert config.tie_word_embeddings == tie
     assert config.num_kv_heads < config.num_heads  # GQA
 
@@ -83,7 +85,8 @@ def test_hf_folder_parity(make_hf_model, kind, tie):
 @pytest.mark.parametrize("kind,tie", [("llama", False), ("llama", True), ("qwen2", False), ("qwen3", True),
                                       ("smollm3", False), ("smollm3", True), ("olmo2", False), ("olmo2", True),
                                       ("gemma2", False), ("gemma2", True), ("gemma3", False), ("gemma3", True),
-                                      ("phi3", False), ("phi3", True)])
+                                      ("phi3", False), ("phi3", True), ("qwen2moe", False), ("qwen2moe", True),
+                                      ("qwen3moe", False), ("qwen3moe", True), ("mixtral", False), ("mixtral", True)])
 def test_gguf_parity(make_hf_model, tiny_tokenizer_dir, tmp_path, kind, tie):
     from gguf_export import write_gguf_from_hf
 
@@ -148,16 +151,36 @@ def test_sliding_layers_read_only_their_window(make_hf_model):
         assert kv_bytes_read(cfg, context, 4) == per_key * (5 * 4 + context)  # local layers: 4 keys each
 
 
-def test_phi3_variants_not_served_are_clear_errors():
-    """Phi-4-mini's partial rotary and Phi-3 128k's LongRoPE are not implemented: loading says so
-    in one line instead of running with the wrong rotary."""
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_phi3_longrope_partial_rotary(make_hf_model, tiny_tokenizer_dir, tmp_path, fmt):
+    """Phi-4-mini's shape (rotary on 3/4 of each head, LongRoPE with an attention factor) in both
+    modes. The engine picks short or long factors once, from its context window (as llama.cpp
+    does from n_ctx): a window within the original 64 positions gives transformers' short
+    rotary; the full window gives its long one, which transformers uses once a sequence is
+    past 64 (here the prompt is 70, so every step of its loop is past it)."""
+    from gguf_export import write_gguf_from_hf
+
+    hf_model, path = make_hf_model("phi3_longrope")
+    if fmt == "gguf":
+        path = write_gguf_from_hf(hf_model, tiny_tokenizer_dir, tmp_path / "phi.gguf")
+    short = check_parity(hf_model, path, steps=40, prompt_len=12, max_model_len=64)
+    cfg = short.loaded.config
+    assert cfg.rotary_dims() == 12 and cfg.head_dim == 16
+    assert cfg.rope_scaling["rope_type"] == "longrope"
+    check_parity(hf_model, path, steps=40, prompt_len=70)
+
+
+def test_phi3_rope_errors_are_clear():
+    """A LongRoPE config with the wrong number of factors, or an unknown scaling, is a one-line error."""
     from nanoinfer.errors import ModelLoadError
     from nanoinfer.loaders.hf import hf_config
 
     base = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "original_max_position_embeddings": 64}
     assert hf_config(base).architecture == "phi3"
-    with pytest.raises(ModelLoadError, match="partial rotary"):
-        hf_config({**base, "partial_rotary_factor": 0.75})
-    with pytest.raises(ModelLoadError, match="'longrope' is not supported"):
-        hf_config({**base, "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}})
+    assert hf_config({**base, "partial_rotary_factor": 0.75}).rotary_dims() == 12
+    with pytest.raises(ModelLoadError, match="short_factor must list 8"):
+        hf_config({**base, "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 7, "long_factor": [2.0] * 8}})
+    with pytest.raises(ModelLoadError, match="'dynamic' is not supported"):
+        hf_config({**base, "rope_scaling": {"type": "dynamic", "factor": 2.0}})

@@ -7,8 +7,9 @@ overtakes bytes / peak bandwidth.
 
 Bytes here are the bytes a good engine must move: the weights as served (the tensors
 the engine holds, in their dtype), only the embedding rows a batch looks up (a tied
-table is read whole anyway, as the LM head), and each layer's KV cache within its
-window. nanochat's MBU counts whole embedding tables and fp32 weights; that overstates
+table is read whole anyway, as the LM head), only the routed experts a step's tokens
+choose (a mixture of experts: top_k of num_experts per token), and each layer's KV cache
+within its window. nanochat's MBU counts whole embedding tables and fp32 weights; that overstates
 the traffic, so these figures are not comparable one to one.
 
 All functions are pure: a ModelConfig and (name, tensor) pairs in, integers out. Meta
@@ -34,10 +35,11 @@ class WeightBytes:
     embedding_row: int  # what one token's lookups read: a row of each untied table
     lm_head: int
     body: int  # everything else: the layers' matmuls, norms, biases, gates, the final norm
+    experts: int = 0  # a mixture of experts' routed experts, all of them (a step reads those chosen)
 
     @property
     def total(self) -> int:
-        return self.embedding + self.lm_head + self.body
+        return self.embedding + self.lm_head + self.body + self.experts
 
 
 def served_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -65,10 +67,12 @@ def _is_token_table(name: str) -> bool:
 
 def weight_bytes(tensors: Iterable[tuple[str, torch.Tensor]], tied: bool) -> WeightBytes:
     """Classify bytes by tensor name (Hugging Face / nanochat names, which the loaders keep)."""
-    embedding = lm_head = body = row = 0
+    embedding = lm_head = body = row = experts = 0
     for name, t in tensors:
         n = t.numel() * t.element_size()
-        if _is_token_table(name) and tied:
+        if ".mlp.experts." in name:
+            experts += n
+        elif _is_token_table(name) and tied:
             lm_head += n  # read whole every step as the LM head; the lookups come free
         elif _is_token_table(name) or name.startswith("value_embeds."):
             embedding += n
@@ -77,7 +81,7 @@ def weight_bytes(tensors: Iterable[tuple[str, torch.Tensor]], tied: bool) -> Wei
             lm_head += n
         else:
             body += n
-    return WeightBytes(embedding, row, lm_head, body)
+    return WeightBytes(embedding, row, lm_head, body, experts)
 
 
 def model_weight_bytes(model: nn.Module, config: ModelConfig) -> WeightBytes:
@@ -97,8 +101,26 @@ def matmul_params(config: ModelConfig) -> int:
     (value-embedding and smear, 12-24 inputs) are left out: well under 0.1%."""
     h, q, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     mlp_matrices = 2 if config.architecture == "nanochat" else 3
-    per_layer = h * q + 2 * h * kv + q * h + mlp_matrices * h * config.intermediate_size
-    return config.num_layers * per_layer + lm_head_params(config)
+    total = lm_head_params(config)
+    for layer in range(config.num_layers):
+        total += h * q + 2 * h * kv + q * h
+        if config.sparse(layer):  # a token runs its top_k experts, the shared one and the router
+            moe = config.moe
+            total += 3 * h * (moe.top_k * moe.intermediate_size + (moe.shared_intermediate_size or 0))
+            total += h * moe.num_experts + (h if moe.shared_intermediate_size else 0)
+        else:
+            total += mlp_matrices * h * config.intermediate_size
+    return total
+
+
+def expert_fraction(config: ModelConfig, tokens: int) -> float:
+    """The share of a layer's routed experts that `tokens` tokens read, if each token picks its
+    top_k uniformly: 1 - (1 - k/E)^tokens (k/E at batch 1; near 1 once batches are large).
+    Real routers are not uniform; a measured step reads this many or fewer."""
+    moe = config.moe
+    if moe is None or tokens <= 0:
+        return 0.0
+    return 1.0 - (1.0 - moe.top_k / moe.num_experts) ** tokens
 
 
 def lm_head_params(config: ModelConfig) -> int:
@@ -163,23 +185,26 @@ class Roofline:
     def kv_bytes_per_token(self) -> int:
         return self.config.kv_bytes_per_token(self.kv_dtype_bytes)
 
-    def fixed_step_bytes(self) -> int:
-        """Read once per decode step whatever the batch: the body and the LM head."""
-        return self.weights.body + self.weights.lm_head
+    def fixed_step_bytes(self, tokens: int = 1) -> int:
+        """Read once per step: the body, the LM head and the experts `tokens` tokens choose
+        (every weight but those, whatever the batch)."""
+        experts = round(self.weights.experts * expert_fraction(self.config, tokens))
+        return self.weights.body + self.weights.lm_head + experts
 
     def per_seq_step_bytes(self, context: int) -> int:
         """Read per sequence in a decode step: its lookup rows and its KV."""
         return self.weights.embedding_row + kv_bytes_read(self.config, context, self.kv_dtype_bytes)
 
     def decode_step_bytes(self, batch: int, context: int) -> int:
-        return self.fixed_step_bytes() + batch * self.per_seq_step_bytes(context)
+        return self.fixed_step_bytes(batch) + batch * self.per_seq_step_bytes(context)
 
     def decode_step_flops(self, batch: int, context: int) -> int:
         return batch * decode_flops_per_token(self.config, context)
 
     def prefill_bytes(self, batch: int, num_tokens: int) -> int:
         """Weights once, each prompt token's lookup rows, and the KV it writes."""
-        return self.fixed_step_bytes() + batch * num_tokens * (self.weights.embedding_row + self.kv_bytes_per_token)
+        return (self.fixed_step_bytes(batch * num_tokens)
+                + batch * num_tokens * (self.weights.embedding_row + self.kv_bytes_per_token))
 
     def prefill_flops(self, batch: int, num_tokens: int) -> int:
         return batch * prefill_flops(self.config, num_tokens)
@@ -195,7 +220,7 @@ class Roofline:
         denom = decode_flops_per_token(self.config, context) / peak_flops - self.per_seq_step_bytes(context) / peak_bandwidth
         if denom <= 0:
             return None
-        return self.fixed_step_bytes() / peak_bandwidth / denom
+        return self.fixed_step_bytes(1) / peak_bandwidth / denom
 
     def card(self, context: int, peak_flops: float, peak_bandwidth: float) -> dict:
         """The static figures, as printed before a latency run."""
@@ -203,6 +228,8 @@ class Roofline:
             "weight_bytes": self.weights.total,
             "weight_bytes_detail": {"body": self.weights.body, "lm_head": self.weights.lm_head,
                                     "embedding": self.weights.embedding,
+                                    "routed_experts": self.weights.experts,
+                                    "routed_experts_read_batch1": self.fixed_step_bytes(1) - self.fixed_step_bytes(0),
                                     "lookup_bytes_per_token": self.weights.embedding_row,
                                     "tied": self.config.tie_word_embeddings},
             "matmul_params": matmul_params(self.config),

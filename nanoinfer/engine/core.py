@@ -107,6 +107,8 @@ class LLMEngine:
         # One sequence must always fit in the pool, or preemption could never make room.
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings,
                                  num_blocks * config.block_size)
+        if hasattr(self.model, "set_context"):  # LongRoPE's short or long factors follow the window
+            self.model.set_context(self.max_model_len)
         self.scheduler = Scheduler(SchedulerConfig(num_blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.block_size, config.enable_prefix_caching))
         self.runner = ModelRunner(self.model, mc, self.cache)

@@ -61,6 +61,8 @@ class DraftModelProposer:
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(draft.model, mc, self.cache)
         self.max_len = min(max_model_len, mc.max_position_embeddings)
+        if hasattr(draft.model, "set_context"):
+            draft.model.set_context(self.max_len)
         self.seqs: dict[SeqKey, DraftSequence] = {}
 
     def retain(self, keys: set[SeqKey]) -> None:

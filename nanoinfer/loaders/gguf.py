@@ -27,7 +27,7 @@ from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from .. import registry
-from ..config import ModelConfig, check_int, check_layer_count, check_number
+from ..config import MAX_SIZE, ModelConfig, MoeSpec, check_int, check_layer_count, check_number
 from ..errors import ModelLoadError
 from ..tensors import QuantizedTensor
 
@@ -59,11 +59,20 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",  # Qwen2-MoE's shared expert and its gate
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# Every expert of a layer in one 3-D tensor [experts, rows, columns]; split into the experts'
+# own linears (model.layers.N.mlp.experts.E.gate_proj, ...).
+_EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-# Tensors that carry no weights of their own: rope_freqs holds llama3 rope factors (read into the
-# config), attn_rot_embd is a leftover of old conversions.
-_NOT_WEIGHTS = re.compile(r"rope_freqs\.weight|blk\.\d+\.attn_rot_embd\.weight")
+# Tensors that carry no weights of their own: rope_freqs holds llama3 rope factors and
+# rope_factors_long/short LongRoPE's (read into the config), attn_rot_embd is a leftover of old
+# conversions.
+_NOT_WEIGHTS = re.compile(r"rope_freqs\.weight|rope_factors_(long|short)\.weight|blk\.\d+\.attn_rot_embd\.weight")
 
 # Dequantize about this many values per gguf-py call (see _dequantize).
 _VALUES_PER_ROW = 16384
@@ -316,20 +325,26 @@ def gguf_config(meta: Mapping[str, Any], tensor_shapes: Mapping[str, Sequence[in
     # llama.cpp converts Mistral checkpoints to the llama architecture; only the name tells.
     sliding_window = meta.get(f"{arch}.attention.sliding_window")
     name = f"{meta.get('general.name', '')} {meta.get('general.basename', '')}".lower()
-    if family.name == "llama" and ("mistral" in name or sliding_window is not None):  # (gemma3 has its own)
+    if family.name == "llama" and meta.get(f"{arch}.expert_count"):  # Mixtral: llama with experts
+        family = registry.by_name("mixtral")
+    elif family.name == "llama" and ("mistral" in name or sliding_window is not None):  # (gemma3 has its own)
         family = registry.by_name("mistral")
+    moe = _moe_spec(meta, arch, family, num_layers, tensor_shapes) if family.is_moe else None
 
     # the family's own fields (its "{arch}." keys), for its module to read
     extra = {"gguf_architecture": arch, "gguf_fields": {k: v for k, v in meta.items() if k.startswith(f"{arch}.")}}
+    rotary_dim = None
     if (rope_dim := meta.get(f"{arch}.rope.dimension_count")) is not None:
-        if check_int(rope_dim, f"{arch}.rope.dimension_count") != head_dim:  # models/llama.py rotates the whole head
-            raise ModelLoadError(f"partial rotary embeddings ({rope_dim} of {head_dim} dims) are not supported")
-        extra["rope_dimension_count"] = rope_dim
+        extra["rope_dimension_count"] = check_int(rope_dim, f"{arch}.rope.dimension_count", hi=head_dim)
+        if rope_dim != head_dim:  # partial rotary (Phi-4-mini): the first rope_dim dims of each head
+            if rope_dim % 2:
+                raise ModelLoadError(f"{arch}.rope.dimension_count {rope_dim} is odd")
+            rotary_dim = rope_dim
     return family.adapt(ModelConfig(
         architecture=family.name,
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=size("feed_forward_length"),
+        intermediate_size=size("feed_forward_length", moe.intermediate_size if moe else None),
         num_layers=num_layers,
         num_heads=n_heads,
         num_kv_heads=n_kv_heads,
@@ -349,8 +364,46 @@ def gguf_config(meta: Mapping[str, Any], tensor_shapes: Mapping[str, Sequence[in
                       if (cap := meta.get(f"{arch}.attn_logit_softcapping")) else None),
         final_softcap=(check_number(cap, f"{arch}.final_logit_softcapping")
                        if (cap := meta.get(f"{arch}.final_logit_softcapping")) else None),
+        rotary_dim=rotary_dim,
+        moe=moe,
         extra=extra,
     ))
+
+
+def _moe_spec(meta: Mapping[str, Any], arch: str, family: registry.Architecture, num_layers: int,
+              tensor_shapes: Mapping[str, Sequence[int]] | None) -> MoeSpec:
+    """llama.cpp's expert keys; a layer without a router (ffn_gate_inp) keeps a dense MLP."""
+    def key(name: str, default: Any = None, hi: int = MAX_SIZE) -> int:
+        return check_int(_arch_key(meta, arch, name, default), f"{arch}.{name}", hi=hi)
+
+    experts = key("expert_count")
+    shared = meta.get(f"{arch}.expert_shared_feed_forward_length")
+    norm = meta.get(f"{arch}.expert_weights_norm")
+    sparse = None
+    if tensor_shapes is not None:
+        sparse = [f"blk.{i}.ffn_gate_inp.weight" in tensor_shapes for i in range(num_layers)]
+        sparse = None if all(sparse) else sparse
+    return MoeSpec(experts, key("expert_used_count", hi=experts),
+                   key("expert_feed_forward_length", meta.get(f"{arch}.feed_forward_length")),
+                   bool(norm) if norm is not None else family.gguf_moe_norm_topk,
+                   check_int(shared, f"{arch}.expert_shared_feed_forward_length") if shared else None, sparse)
+
+
+def _longrope_scaling(meta: Mapping[str, Any], arch: str, factors: dict[str, np.ndarray], cfg: ModelConfig) -> dict:
+    """LongRoPE from llama.cpp's phi3 file: rope_factors_long/short (a divisor per rotary pair),
+    the original context and the attention factor as keys."""
+    pairs = cfg.rotary_dims() // 2
+    if set(factors) != {"long", "short"} or any(f.size != pairs for f in factors.values()):
+        raise ModelLoadError(f"rope_factors_long and rope_factors_short must each hold {pairs} values")
+    original = meta.get(f"{arch}.rope.scaling.original_context_length")
+    if original is None:
+        raise ModelLoadError(f"GGUF metadata lacks {arch}.rope.scaling.original_context_length (LongRoPE)")
+    scaling = {"rope_type": "longrope", "short_factor": factors["short"].ravel().tolist(),
+               "long_factor": factors["long"].ravel().tolist(),
+               "original_max_position_embeddings": check_int(original, f"{arch}.rope.scaling.original_context_length")}
+    if (attn := meta.get(f"{arch}.rope.scaling.attn_factor")) is not None:
+        scaling["attention_factor"] = check_number(attn, f"{arch}.rope.scaling.attn_factor")
+    return scaling
 
 
 def _llama3_rope_scaling(rope_factors: np.ndarray, theta: float, head_dim: int) -> dict | None:
@@ -435,14 +488,26 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (cfg.vocab_size, h), "output_norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
         shapes["output.weight"] = (cfg.vocab_size, h)
+    fused = registry.by_name(cfg.architecture).gguf_fused
     for i in range(cfg.num_layers):
         ff = cfg.intermediate_size
-        if registry.by_name(cfg.architecture).gguf_fused:  # phi3: q/k/v in one tensor, gate/up in ffn_up
-            layer = {"attn_qkv.weight": (q + 2 * kv, h), "ffn_up.weight": (2 * ff, h)}
+        if fused:  # phi3: q/k/v in one tensor, gate/up in ffn_up
+            layer = {"attn_qkv.weight": (q + 2 * kv, h)}
         else:
-            layer = {"attn_q.weight": (q, h), "attn_k.weight": (kv, h), "attn_v.weight": (kv, h),
-                     "ffn_gate.weight": (ff, h), "ffn_up.weight": (ff, h)}
-        layer.update({"attn_output.weight": (h, q), "ffn_down.weight": (h, ff)})
+            layer = {"attn_q.weight": (q, h), "attn_k.weight": (kv, h), "attn_v.weight": (kv, h)}
+        layer["attn_output.weight"] = (h, q)
+        if cfg.sparse(i):
+            moe = cfg.moe
+            n, fe = moe.num_experts, moe.intermediate_size
+            layer.update({"ffn_gate_inp.weight": (n, h), "ffn_gate_exps.weight": (n, fe, h),
+                          "ffn_up_exps.weight": (n, fe, h), "ffn_down_exps.weight": (n, h, fe)})
+            if fs := moe.shared_intermediate_size:
+                layer.update({"ffn_gate_inp_shexp.weight": (h,), "ffn_gate_shexp.weight": (fs, h),
+                              "ffn_up_shexp.weight": (fs, h), "ffn_down_shexp.weight": (h, fs)})
+        elif fused:
+            layer.update({"ffn_up.weight": (2 * ff, h), "ffn_down.weight": (h, ff)})
+        else:
+            layer.update({"ffn_gate.weight": (ff, h), "ffn_up.weight": (ff, h), "ffn_down.weight": (h, ff)})
         norms = {"pre": ("attn_norm", "ffn_norm"), "post": ("post_attention_norm", "post_ffw_norm"),
                  "sandwich": ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm")}[cfg.norm_layout]
         layer.update({f"{n}.weight": (h,) for n in norms})
@@ -456,6 +521,13 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _shape(info: _TensorInfo) -> tuple[int, ...]:
+    """A tensor's shape as checked: the shared expert's gate is one row, [1, h] or [h] by converter."""
+    if info.name.endswith(".ffn_gate_inp_shexp.weight") and len(info.shape) == 2 and info.shape[0] == 1:
+        return info.shape[1:]
+    return info.shape
+
+
 def load_gguf(
     path: str | os.PathLike[str], dtype: torch.dtype | None = torch.float32
 ) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedTensor], dict[str, Any]]:
@@ -466,10 +538,8 @@ def load_gguf(
     gf = _open(path, with_tensors=True)
     if not gf.tensors:
         raise ModelLoadError(f"{path} holds no tensors (a vocab-only GGUF?); it cannot be loaded as a model")
-    shapes = {t.name: t.shape for t in gf.tensors}
+    shapes = {t.name: _shape(t) for t in gf.tensors}
     cfg = gguf_config(gf.meta, shapes)
-    if "rope_factors_long.weight" in shapes:
-        raise ModelLoadError(f"{path}: LongRoPE (rope_factors_long/short, Phi-3 128k) is not supported yet")
 
     expected = _expected_shapes(cfg)
     for name, shape in expected.items():
@@ -479,12 +549,21 @@ def load_gguf(
             raise ModelLoadError(f"tensor {name} has shape {list(shapes[name])}, the metadata implies {list(shape)}")
 
     state: dict[str, torch.Tensor] = {}
+    longrope: dict[str, np.ndarray] = {}
     for info in gf.tensors:
         if _NOT_WEIGHTS.fullmatch(info.name):
             if info.name == "rope_freqs.weight" and cfg.rope_scaling is None:
                 factors = _dequantize(gf.buf, info)
                 cfg.rope_scaling = _llama3_rope_scaling(factors, cfg.rope_theta, cfg.head_dim)
                 cfg.extra["rope_freqs"] = factors.ravel().tolist()
+            elif info.name.startswith("rope_factors_"):
+                longrope[info.name.split("_")[2].split(".")[0]] = _dequantize(gf.buf, info)
+            continue
+        if m := _EXPERT_TENSOR.fullmatch(info.name):
+            if info.name not in expected:
+                raise ModelLoadError(f"unexpected tensor {info.name!r} in a {cfg.architecture} GGUF file")
+            for e, t in enumerate(_experts(gf.buf, info, dtype)):
+                state[f"model.layers.{m.group(1)}.mlp.experts.{e}.{m.group(2)}_proj.weight"] = t
             continue
         hf_name = _hf_name(info.name, cfg.norm_layout, registry.by_name(cfg.architecture).gguf_fused)
         if hf_name is None or info.name not in expected:
@@ -504,8 +583,25 @@ def load_gguf(
                 w = _unpermute(w, cfg.num_heads)
             elif info.name.endswith((".attn_k.weight", ".attn_k.bias")):
                 w = _unpermute(w, cfg.num_kv_heads)
+        if info.name.endswith(".ffn_gate_inp_shexp.weight"):
+            w = w.reshape(1, -1)
         state[hf_name] = torch.from_numpy(w).to(dtype or torch.float32)
+    if longrope:
+        cfg.rope_scaling = _longrope_scaling(gf.meta, cfg.extra["gguf_architecture"], longrope, cfg)
     return cfg, state, gf.meta
+
+
+def _experts(buf: mmap.mmap, info: _TensorInfo, dtype: torch.dtype | None) -> list[torch.Tensor | QuantizedTensor]:
+    """A [experts, rows, columns] tensor as one matrix per expert: views of the file's blocks
+    (each expert's rows are contiguous) when kept as stored, else dequantised."""
+    n, rows, cols = info.shape
+    if dtype is None and info.qtype != GGMLQuantizationType.F32:
+        with warnings.catch_warnings():  # read-only map, never written through
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.frombuffer(buf, dtype=torch.uint8, count=info.nbytes, offset=info.offset).view(n, rows, -1)
+        return [QuantizedTensor(data[e], int(info.qtype), (rows, cols), info.qtype.name) for e in range(n)]
+    w = torch.from_numpy(_dequantize(buf, info)).to(dtype or torch.float32)
+    return list(w.unbind(0))
 
 
 def _as_stored(buf: mmap.mmap, info: _TensorInfo) -> QuantizedTensor:

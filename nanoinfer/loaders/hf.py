@@ -10,7 +10,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from .. import registry
-from ..config import ModelConfig, check_int, check_layer_count, check_number
+from ..config import ModelConfig, MoeSpec, check_int, check_layer_count, check_number
 from ..errors import ModelLoadError
 from ..registry import Architecture
 
@@ -64,14 +64,19 @@ def hf_config(raw: dict) -> ModelConfig:
         local_rope = rope.get("sliding_attention") if isinstance(rope.get("sliding_attention"), dict) else None
         rope = dict(rope["full_attention"])
     partial = rope.pop("partial_rotary_factor", raw.get("partial_rotary_factor"))
-    if partial is not None and partial != 1:
-        raise ModelLoadError(f"partial_rotary_factor={partial!r:.20}: partial rotary embeddings are not supported")
+    rotary_dim = None
+    if partial is not None and partial != 1:  # Phi-4-mini: rotary on the first 3/4 of each head
+        rotary_dim = int(head_dim * check_number(partial, "partial_rotary_factor"))
+        if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+            raise ModelLoadError(f"partial_rotary_factor={partial!r:.20} gives {rotary_dim} rotary dims of {head_dim}")
     theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
     theta_local = (local_rope or {}).get("rope_theta", raw.get("rope_local_base_freq"))
     scaling = _dict(raw, "rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
-    if kind not in (None, "default", "linear", "llama3"):
-        raise ModelLoadError(f"rope scaling {kind!r:.30} is not supported (linear and llama3 are)")
+    if kind in ("su", "longrope"):  # Phi-3 128k, Phi-3.5, Phi-4-mini ("su" is LongRoPE's old name)
+        scaling = _longrope(scaling, raw, (rotary_dim or head_dim) // 2)
+    elif kind not in (None, "default", "linear", "llama3"):
+        raise ModelLoadError(f"rope scaling {kind!r:.30} is not supported (linear, llama3 and longrope are)")
     for key in _ROPE_NUMBERS:
         if scaling and key in scaling:
             check_number(scaling[key], f"rope_scaling.{key}")
@@ -104,12 +109,54 @@ def hf_config(raw: dict) -> ModelConfig:
         sliding_window=None if window is None else check_int(window, "sliding_window"),
         rope_layers=_rope_layers(raw, layers),
         layer_windows=layer_windows,
+        rotary_dim=rotary_dim,
         rope_theta_local=None if theta_local is None else check_number(theta_local, "rope_local_base_freq"),
         attn_scale=None if scalar is None else check_number(scalar, "query_pre_attn_scalar") ** -0.5,
         attn_softcap=_optional_number(raw, "attn_logit_softcapping"),
         final_softcap=_optional_number(raw, "final_logit_softcapping"),
+        moe=_moe(raw, arch, layers) if arch.is_moe else None,
         extra={"hf_config": raw},  # the family's own fields, for its module to read
     ))
+
+
+def _moe(raw: dict, arch: Architecture, layers: int) -> MoeSpec:
+    """Qwen2-MoE / Qwen3-MoE (num_experts, moe_intermediate_size, a shared expert, dense layers by
+    decoder_sparse_step and mlp_only_layers) and Mixtral (num_local_experts, intermediate_size)."""
+    key = "num_local_experts" if "num_local_experts" in raw else "num_experts"
+    if raw.get(key) is None:
+        raise ModelLoadError(f"missing field {key!r}")
+    experts = check_int(raw[key], key)
+    top_k = check_int(raw.get("num_experts_per_tok"), "num_experts_per_tok", hi=experts)
+    inter_key = "moe_intermediate_size" if raw.get("moe_intermediate_size") is not None else "intermediate_size"
+    shared = raw.get("shared_expert_intermediate_size")
+    step = check_int(raw.get("decoder_sparse_step", 1), "decoder_sparse_step")
+    dense = raw.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in dense):
+        raise ModelLoadError("mlp_only_layers must be a list of layer indices")
+    sparse = [i not in dense and (i + 1) % step == 0 for i in range(layers)]
+    norm = arch.moe_norm_topk if arch.moe_norm_topk is not None else bool(raw.get("norm_topk_prob", False))
+    return MoeSpec(experts, top_k, check_int(raw.get(inter_key), inter_key), norm,
+                   check_int(shared, "shared_expert_intermediate_size") if shared else None,
+                   None if all(sparse) else sparse)
+
+
+def _longrope(scaling: dict, raw: dict, pairs: int) -> dict:
+    """LongRoPE's facts in one dict: a factor per rotary pair for short and long contexts, the
+    original context (config.json keeps it at the top level), and the attention factor if given."""
+    out = {"rope_type": "longrope"}
+    for key in ("short_factor", "long_factor"):
+        factors = scaling.get(key)
+        if not isinstance(factors, list) or len(factors) != pairs:
+            raise ModelLoadError(f"rope_scaling.{key} must list {pairs} numbers (one per rotary pair)")
+        out[key] = [check_number(f, f"rope_scaling.{key}") for f in factors]
+    original = scaling.get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
+    if original is None:
+        raise ModelLoadError("LongRoPE needs original_max_position_embeddings")
+    out["original_max_position_embeddings"] = check_int(original, "original_max_position_embeddings")
+    for key in ("factor", "attention_factor"):
+        if scaling.get(key) is not None:
+            out[key] = check_number(scaling[key], f"rope_scaling.{key}")
+    return out
 
 
 def _optional_number(raw: dict, key: str) -> float | None:

@@ -35,11 +35,16 @@ class RMSNorm(nn.Module):
         return layer_ops.rms_norm(x, self.weight, self.eps, residual)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies, with the rope scalings that change them ("linear", "llama3")."""
-    dim = config.head_dim
+def rope_inv_freq(config: ModelConfig, context: int | None = None) -> torch.Tensor:
+    """Inverse frequencies of the rotated dims, with the rope scalings that change them ("linear",
+    "llama3", "longrope"). LongRoPE takes its long factors when the serving context (the
+    engine's max_model_len; default the model's) is past the original one, its short factors
+    otherwise: one choice per engine, as llama.cpp makes it from n_ctx, so a row's rotary never
+    depends on what else runs (transformers switches per forward on the longest sequence)."""
+    dim = config.rotary_dims()
     # fp32 throughout, as transformers computes it: parity is bit-level at long positions too.
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (config.rope_theta ** exponents)
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "linear":
@@ -54,9 +59,26 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
         mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
         inv_freq = torch.where(mid, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+    elif kind == "longrope":
+        long = (context or config.max_position_embeddings) > scaling["original_max_position_embeddings"]
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32, device="cpu")
+        inv_freq = 1.0 / (factors * config.rope_theta ** exponents)
     elif kind != "default":
         raise ValueError(f"unsupported rope scaling {kind!r}")
     return inv_freq
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """LongRoPE scales cos and sin (so q.k) by sqrt(1 + ln(s) / ln(original)), s the context
+    extension, in both its short and long modes; 1 for every other rotary."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or config.max_position_embeddings / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 class Attention(nn.Module):
@@ -69,6 +91,7 @@ class Attention(nn.Module):
                                   bias=config.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
         self.use_rope = config.rope_layers is None or config.rope_layers[layer]
+        self.rotary_dim = config.rotary_dims()
         self.qk_norm_over_heads = config.qk_norm_over_heads
         if config.qk_norm:
             n = self.num_heads * self.head_dim if self.qk_norm_over_heads else self.head_dim
@@ -86,28 +109,35 @@ class Attention(nn.Module):
             q = self.q_norm(qkv[:, :H * D])[0].view(T, H, D)
             k = self.k_norm(qkv[:, H * D:(H + Hkv) * D])[0].view(T, Hkv, D)
             if self.use_rope:
-                q, k = layer_ops.rope(q, cos, sin), layer_ops.rope(k, cos, sin)
+                q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
         elif not self.use_rope:  # a NoPE layer (SmolLM3)
             q, k = qkv[:, :H * D].view(T, H, D), qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D)
             if self.q_norm is not None:
                 q, k = self.q_norm(q)[0], self.k_norm(k)[0]
         elif self.q_norm is not None:
             q, k = qkv[:, :H * D].view(T, H, D), qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D)
-            q, k = layer_ops.rope(self.q_norm(q)[0], cos, sin), layer_ops.rope(self.k_norm(k)[0], cos, sin)
+            q, k = self._rope(self.q_norm(q)[0], cos, sin), self._rope(self.k_norm(k)[0], cos, sin)
         else:  # q and k side by side: one rotation for both (half the ops)
-            q, k = layer_ops.rope(qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D), cos, sin).split((H, Hkv), dim=1)
+            q, k = self._rope(qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D), cos, sin).split((H, Hkv), dim=1)
         out = batch.attend(self.layer, q, k, v)
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotary on each head's first rotary_dim dims (all of them but in Phi-4-mini's partial rotary)."""
+        if self.rotary_dim == self.head_dim:
+            return layer_ops.rope(x, cos, sin)
+        return torch.cat((layer_ops.rope(x[..., :self.rotary_dim], cos, sin), x[..., self.rotary_dim:]), dim=-1)
 
 
 class MLP(nn.Module):
     """The gated MLP: down(act(gate) * up), gate and up in one matmul. act: "silu" (Llama) or
     "gelu_tanh" (Gemma)."""
 
-    def __init__(self, config: ModelConfig, act: str = "silu"):
+    def __init__(self, config: ModelConfig, act: str = "silu", intermediate_size: int | None = None):
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        inter = intermediate_size or config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
         self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -182,13 +212,20 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.context = config.max_position_embeddings
         self.rotary = RotaryTable(rope_inv_freq(config), config.max_position_embeddings)
         self.reset_rope()
 
     def reset_rope(self) -> None:
         """Empty rotary tables on the model's device (they grow with the positions served).
         Call again after moving the model: to_empty / .to(dtype) touch buffers too."""
-        self.rotary.reset(rope_inv_freq(self.config), self.model.norm.weight.device)
+        self.rotary.reset(rope_inv_freq(self.config, self.context), self.model.norm.weight.device,
+                          rope_attention_factor(self.config))
+
+    def set_context(self, context: int) -> None:
+        """The engine's context window (LongRoPE picks its factors from it)."""
+        self.context = context
+        self.reset_rope()
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Take the tensors as they are (no copy): the model may have been built on the meta device."""

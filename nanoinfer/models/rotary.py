@@ -18,13 +18,16 @@ class RotaryTable(nn.Module):
     def __init__(self, inv_freq: torch.Tensor, max_positions: int):
         super().__init__()
         self.max_positions = max_positions
+        self.scale = 1.0
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
 
-    def reset(self, inv_freq: torch.Tensor, device: torch.device) -> None:
-        """Fresh (empty) tables on `device`: after building on the meta device or moving the model."""
+    def reset(self, inv_freq: torch.Tensor, device: torch.device, scale: float = 1.0) -> None:
+        """Fresh (empty) tables on `device`: after building on the meta device or moving the model.
+        scale multiplies cos and sin (LongRoPE's attention factor)."""
         self.inv_freq = inv_freq.float().to(device)
+        self.scale = scale
         self.cos = self.sin = torch.empty(0, inv_freq.numel(), device=device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,6 +47,10 @@ class RotaryTable(nn.Module):
             end = min(start + CHUNK, self.max_positions)
             freqs = torch.outer(torch.arange(start, end, dtype=torch.float32, device=self.inv_freq.device),
                                 self.inv_freq)
-            cos.append(freqs.cos())
-            sin.append(freqs.sin())
+            if self.scale == 1.0:
+                cos.append(freqs.cos())
+                sin.append(freqs.sin())
+            else:
+                cos.append(freqs.cos() * self.scale)
+                sin.append(freqs.sin() * self.scale)
         self.cos, self.sin = torch.cat(cos), torch.cat(sin)

@@ -25,6 +25,8 @@ def _build(model: nn.Module, attention: CpuPagedAttention) -> DecoderStack | Non
     config = model.config
     if config.rope_layers is not None and not all(config.rope_layers):
         return None  # the compiled stack rotates q and k in every layer
+    if config.rotary_dims() != config.head_dim:
+        return None  # ... and the whole of each head
     layers = []
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
