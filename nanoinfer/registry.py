@@ -8,7 +8,7 @@ here (docs/architecture.md, "How to add an architecture").
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .config import ModelConfig
 from .errors import ModelLoadError
@@ -45,6 +45,9 @@ class Architecture:
     # otherwise llama.cpp's fixed choice for the architecture holds, gguf_moe_norm_topk.
     moe_norm_topk: bool | None = None
     gguf_moe_norm_topk: bool = False
+    # config.json fields a family's transformers config class defaults, for configs that list
+    # only what differs (the text_config of Gemma 3's multimodal checkpoints)
+    hf_defaults: dict = field(default_factory=dict, compare=False)
 
     @property
     def is_moe(self) -> bool:
@@ -84,8 +87,13 @@ ARCHITECTURES: tuple[Architecture, ...] = (
                  qk_norm_over_heads=True, norm_layout="post"),
     Architecture("gemma2", ".gemma:GemmaForCausalLM", ("Gemma2ForCausalLM",), ("gemma2",), ("gemma2",),
                  norm_layout="sandwich", swa_pattern=2),
-    Architecture("gemma3", ".gemma:GemmaForCausalLM", ("Gemma3ForCausalLM",), ("gemma3_text",), ("gemma3",),
-                 qk_norm=True, norm_layout="sandwich", swa_pattern=6, rope_theta_local=10000.0),
+    # (Gemma3ForConditionalGeneration: the text part of the multimodal checkpoints; loaders/hf.py unwraps it)
+    Architecture("gemma3", ".gemma:GemmaForCausalLM", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
+                 ("gemma3_text",), ("gemma3",), qk_norm=True, norm_layout="sandwich", swa_pattern=6,
+                 rope_theta_local=10000.0,
+                 hf_defaults={"vocab_size": 262208, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                              "query_pre_attn_scalar": 256, "sliding_window": 4096, "rope_theta": 1000000.0,
+                              "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "tie_word_embeddings": True}),
     # Mixtures of experts: llama.py's attention, models/moe.py's routed experts.
     Architecture("qwen2moe", ".moe:MoeForCausalLM", ("Qwen2MoeForCausalLM",), ("qwen2_moe",), ("qwen2moe",),
                  attention_bias=True),

@@ -184,3 +184,51 @@ def test_phi3_rope_errors_are_clear():
         hf_config({**base, "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 7, "long_factor": [2.0] * 8}})
     with pytest.raises(ModelLoadError, match="'dynamic' is not supported"):
         hf_config({**base, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
+
+
+def test_gemma3_multimodal_checkpoint_serves_its_language_model(tiny_tokenizer_dir, tmp_path):
+    """A Gemma3ForConditionalGeneration folder (the 4B+ checkpoints: the language model under
+    language_model.*, a vision tower and projector beside it): the text part loads and matches
+    transformers' multimodal model on text input."""
+    import shutil
+
+    import transformers as tf
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(tiny_tokenizer_dir))
+    text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32, sliding_window=4,
+                max_position_embeddings=256, rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh", pad_token_id=0,
+                initializer_range=0.2)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    cfg = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=vocab - 1,
+                          boi_token_index=vocab - 3, eoi_token_index=vocab - 2)
+    torch.manual_seed(0)
+    model = tf.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(0.1 * torch.randn_like(p))
+    model.save_pretrained(tmp_path)
+    for f in tiny_tokenizer_dir.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    llm = check_parity(model, tmp_path, steps=32)
+    assert llm.loaded.config.architecture == "gemma3" and llm.loaded.config.num_layers == 6
+
+
+def test_sparse_gemma3_text_config_takes_transformers_defaults():
+    """The multimodal checkpoints list only what differs from Gemma3TextConfig's defaults (Gemma 3
+    4B's text_config, as published): the rest comes from the registry's hf_defaults."""
+    from nanoinfer.loaders.hf import hf_config
+
+    raw = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+           "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                           "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                           "sliding_window": 1024},
+           "vision_config": {"hidden_size": 1152}}
+    cfg = hf_config(raw)
+    assert (cfg.architecture, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == ("gemma3", 8, 4, 256, 262208)
+    assert (cfg.rope_theta, cfg.rope_theta_local, cfg.attn_scale) == (1000000.0, 10000.0, 256 ** -0.5)
+    assert cfg.rope_scaling == {"factor": 8.0, "rope_type": "linear"}
+    assert cfg.windows()[:6] == [1024] * 5 + [None] and len(cfg.windows()) == 34

@@ -14,6 +14,11 @@ from ..config import ModelConfig, MoeSpec, check_int, check_layer_count, check_n
 from ..errors import ModelLoadError
 from ..registry import Architecture
 
+# A multimodal checkpoint's language model under its own prefixes (the original files, then
+# transformers 5's), renamed to a text model's; its vision tower and projector are not read.
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+_NOT_TEXT = re.compile(r"(model\.)?(vision_tower|multi_modal_projector)\.")
 _ROPE_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 _LAYER_WEIGHT = re.compile(r"model\.layers\.(\d+)\.")
 
@@ -41,6 +46,10 @@ def hf_config(raw: dict) -> ModelConfig:
     if not isinstance(raw, dict):
         raise ModelLoadError(f"config.json must hold a JSON object, not {type(raw).__name__}")
     arch = _architecture(raw)
+    if isinstance(raw.get("text_config"), dict):  # a multimodal checkpoint (Gemma 3 4B+): its language model
+        raw = {**raw["text_config"], "architectures": raw.get("architectures"),
+               **({"tie_word_embeddings": raw["tie_word_embeddings"]} if "tie_word_embeddings" in raw else {})}
+    raw = {**arch.hf_defaults, **raw}
     if raw.get("mlp_bias"):
         raise ModelLoadError("mlp_bias=true is not supported")
 
@@ -178,6 +187,16 @@ def _rope_layers(raw: dict, layers: int) -> list[bool] | None:
     return [(i + 1) % step != 0 for i in range(layers)]
 
 
+def _text_name(name: str) -> str | None:
+    """A multimodal checkpoint's tensor under its text model's name; None for the vision parts."""
+    if _NOT_TEXT.match(name):
+        return None
+    for prefix, new in _TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return new + name[len(prefix):]
+    return name
+
+
 def _check_shapes(config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> None:
     """config.json's sizes against the weights present, before any of them is loaded or sized
     from the config (the rest of the layout is checked when the model takes the weights)."""
@@ -215,7 +234,8 @@ def load_hf_folder(path: Path, dtype: torch.dtype = torch.float32) -> tuple[Mode
     for f in files:  # the headers only
         try:
             with safe_open(str(f), framework="pt") as sf:
-                shapes.update((k, tuple(sf.get_slice(k).get_shape())) for k in sf.keys())  # noqa: SIM118 (a safetensors handle, not a dict)
+                shapes.update((name, tuple(sf.get_slice(k).get_shape())) for k in sf.keys()  # noqa: SIM118 (a safetensors handle, not a dict)
+                              if (name := _text_name(k)) is not None)
         except (SafetensorError, OSError, ValueError) as e:
             raise ModelLoadError(f"{f}: corrupt safetensors file ({e})") from None
     try:
@@ -225,7 +245,7 @@ def load_hf_folder(path: Path, dtype: torch.dtype = torch.float32) -> tuple[Mode
     state: dict[str, torch.Tensor] = {}
     for f in files:
         try:
-            state.update(load_file(str(f)))
+            state.update((name, t) for k, t in load_file(str(f)).items() if (name := _text_name(k)) is not None)
         except (SafetensorError, OSError, ValueError) as e:
             raise ModelLoadError(f"{f}: corrupt safetensors file ({e})") from None
     # Some exports store "lm_head" only; a tied model may also omit it.
