@@ -1,5 +1,5 @@
-"""`nanoinfer` command line: generate, chat, tokenize; serve, bench and perplexity come from
-server/cli.py, bench/cli.py and bench/perplexity.py. The flags these share are defined in cli_args.py."""
+"""`nanoinfer` command line: generate, chat, tokenize; serve, bench, perplexity and eval come from
+server/cli.py, bench/cli.py, bench/perplexity.py and evals/cli.py. The flags these share are defined in cli_args.py."""
 from __future__ import annotations
 
 import argparse
@@ -12,6 +12,7 @@ from .bench.cli import add_bench_parser
 from .bench.perplexity import add_perplexity_parser
 from .cli_args import add_model_arg, add_model_args, add_sampling_args, add_speculative_arg, run_command, sampling_params
 from .errors import NanoinferError
+from .evals.cli import add_eval_parser
 from .kernels.quant_linear import parameter_count
 from .server.cli import add_serve_parser
 
@@ -245,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_bench_parser(sub)
     add_perplexity_parser(sub)
+    add_eval_parser(sub)
     return p
 
 

@@ -128,6 +128,7 @@ class LLMEngine:
         self.last_step_tokens = 0
         self.total_steps = 0
         self.total_step_tokens = 0
+        self.prefill_tokens = 0  # prompt tokens run through the model (a prefix-cache hit or an n-fork runs none)
 
     # --- requests ---------------------------------------------------------------
     def validate_prompt(self, prompt_ids: list[int]) -> None:
@@ -225,6 +226,8 @@ class LLMEngine:
         self.last_step_tokens = batch.total_tokens
         self.total_steps += 1
         self.total_step_tokens += batch.total_tokens
+        self.prefill_tokens += sum(min(n, max(0, len(seq.prompt_ids) - seq.num_computed))
+                                   for seq, n in zip(batch.seqs, batch.num_tokens))
         self.scheduler.update_after_forward(batch)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.stats.forwards.append(ForwardStat(seq.num_computed, n, seconds))
@@ -383,6 +386,7 @@ class LLMEngine:
             "prefix_cache_hits": b.stats.prefix_hits,
             "prefix_cache_hit_rate": b.stats.hit_rate,
             "steps": self.total_steps,
+            "prefill_tokens": self.prefill_tokens,
             "tokens_per_step": self.total_step_tokens / self.total_steps if self.total_steps else 0.0,
             "last_step_tokens": self.last_step_tokens,
             **spec_figures(self.spec_proposed, self.spec_accepted, self.spec_checks),
