@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -251,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .distributed.executor import launched_by_torchrun, worker_from_torchrun
+    if launched_by_torchrun() and int(os.environ["RANK"]) > 0:  # torchrun: every rank but 0 serves rank 0's steps
+        return worker_from_torchrun()
     return run_command(build_parser().parse_args(argv))
 
 

@@ -81,10 +81,15 @@ def json_object(text: str) -> dict:
 
 # --- the engine --------------------------------------------------------------------------
 def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: int | str = 64,
-                    max_num_batched_tokens: int | str = 512, kv_cache: bool = True) -> None:
+                    max_num_batched_tokens: int | str = 512, kv_cache: bool = True,
+                    tensor_parallel: bool = False) -> None:
     """The scheduler's limits and (unless kv_cache=False) the KV cache's size and prefix
-    caching, in an "engine" group. Each command passes its own defaults."""
+    caching, in an "engine" group, and --tensor-parallel-size where the command builds its
+    model through LLM. Each command passes its own defaults."""
     g = p.add_argument_group("engine")
+    if tensor_parallel:
+        g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
+                       help="split the model over N processes (torch.distributed; default 1)")
     default, shown = _default(max_num_seqs)
     g.add_argument("--max-num-seqs", type=positive_int, default=default,
                    help=f"sequences running in one step (default {shown})")
@@ -105,7 +110,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     """add_engine_args' flags (kv_cache=True) as `LLM(...)`'s engine arguments."""
     return dict(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                 kv_cache_memory=a.kv_cache_memory, kv_cache_dtype=a.kv_cache_dtype,
-                enable_prefix_caching=not a.no_prefix_caching)
+                enable_prefix_caching=not a.no_prefix_caching,
+                tensor_parallel_size=getattr(a, "tensor_parallel_size", 1))
 
 
 # --- sampling ----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from .distributed.sharding import shard_model
 from .engine import EngineConfig, LLMEngine
 from .engine.sequence import RequestOutput, StreamDelta
 from .errors import InvalidRequestError
@@ -34,10 +35,25 @@ class LLM:
             config = EngineConfig(**engine_args)
         except TypeError as e:
             raise InvalidRequestError(str(e)) from None
-        self.loaded = load_model(model, dtype=DTYPES[dtype], device=device, overrides=model_overrides)
+        transform = None
+        if config.tensor_parallel_size > 1:  # this process is rank 0: it keeps the first share
+            tp = config.tensor_parallel_size
+            transform = lambda model, cfg: shard_model(model, cfg, 0, tp)  # noqa: E731
+        self.loaded = load_model(model, dtype=DTYPES[dtype], device=device, overrides=model_overrides,
+                                 transform=transform)
         self.engine = LLMEngine(self.loaded, config)
         self.tokenizer = self.loaded.tokenizer
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do with one process)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def max_model_len(self) -> int:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..attention import PagedKVCache
+from ..distributed.executor import TensorParallelExecutor, WorkerSetup
+from ..distributed.sharding import rank_config
 from ..errors import InvalidRequestError, RequestFailedError
 from ..kernels.quant_linear import has_block_weights
 from ..models.builder import LoadedModel
@@ -44,6 +46,9 @@ class EngineConfig:
     enable_tools: bool = True  # run tools (the calculator) when the vocabulary has their marker tokens
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES: "auto" is kv_cache_dtype()'s rule
     speculative_config: SpeculativeConfig | dict | None = None  # vLLM's: {"method": "ngram", ...}
+    # >1: the model split over this many processes (distributed/): the model must have been
+    # loaded as rank 0's share (LLM does this); the engine starts the other ranks.
+    tensor_parallel_size: int = 1
 
 
 logger = logging.getLogger("nanoinfer.engine")
@@ -96,13 +101,15 @@ class LLMEngine:
         param = next(self.model.parameters())
         self.dtype, self.device = param.dtype, param.device
         self.kv_dtype = kv_cache_dtype(self.model, config.kv_cache_dtype)
-        bytes_per_token = mc.kv_bytes_per_token(self.kv_dtype.itemsize)
+        tp = config.tensor_parallel_size
+        rank_mc = rank_config(mc, tp) if tp > 1 else mc  # what this process's attention and KV pool hold
+        bytes_per_token = rank_mc.kv_bytes_per_token(self.kv_dtype.itemsize)
         pool = config.kv_cache_memory
         if pool is None:
             context = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
             pool = default_kv_pool_bytes(bytes_per_token, context, config.max_num_seqs, available_memory())
         num_blocks = max(1, pool // (config.block_size * bytes_per_token))
-        self.cache = PagedKVCache.allocate(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads,
+        self.cache = PagedKVCache.allocate(mc.num_layers, num_blocks, config.block_size, rank_mc.num_kv_heads,
                                            mc.head_dim, self.kv_dtype, self.device)
         # One sequence must always fit in the pool, or preemption could never make room.
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings,
@@ -111,7 +118,13 @@ class LLMEngine:
             self.model.set_context(self.max_model_len)
         self.scheduler = Scheduler(SchedulerConfig(num_blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.block_size, config.enable_prefix_caching))
-        self.runner = ModelRunner(self.model, mc, self.cache)
+        self.executor = None
+        if tp > 1:
+            self.executor = TensorParallelExecutor(tp, str(self.device))
+            src = loaded.source
+            self.executor.setup(WorkerSetup(src["path"], src["dtype"], src["overrides"], num_blocks, config.block_size,
+                                            self.kv_dtype, self.max_model_len))
+        self.runner = ModelRunner(self.model, rank_mc, self.cache, self.executor)
         self.tools = bind_tools(self.tokenizer) if config.enable_tools else []
         self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size)
         self.spec = SpeculativeConfig.of(config.speculative_config)
@@ -372,6 +385,12 @@ class LLMEngine:
                     yield d
 
     # --- metrics ----------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (the engine cannot step afterwards)."""
+        if self.executor is not None:
+            self.executor.close()
+            self.executor = None
+
     def metrics(self) -> dict:
         s, b = self.scheduler, self.blocks
         return {

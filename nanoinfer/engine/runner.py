@@ -6,13 +6,18 @@ from torch import nn
 
 from ..attention import PagedKVCache, PagedMetadata, PrefillSlice, get_backend, layer_params
 from ..config import ModelConfig
+from ..distributed.executor import TensorParallelExecutor
 from ..models.batch import ForwardBatch
 from .batch import ScheduledBatch
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, config: ModelConfig, cache: PagedKVCache):
+    def __init__(self, model: nn.Module, config: ModelConfig, cache: PagedKVCache,
+                 executor: TensorParallelExecutor | None = None):
+        """config: what this process's attention holds (a tensor-parallel rank: its heads);
+        executor: the other ranks, handed each step before this rank runs it."""
         self.model = model
+        self.executor = executor
         self.config = config
         self.cache = cache
         self.device = cache.k.device
@@ -83,4 +88,6 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """Returns logits [num_sampling, vocab] (fp32) and the batch indices they belong to."""
         forward, samplers = self.build(batch)
+        if self.executor is not None:
+            self.executor.step(batch.block_copies, forward)
         return self.model(forward), samplers

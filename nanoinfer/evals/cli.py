@@ -24,7 +24,7 @@ def add_eval_parser(sub) -> None:
                          description="Completions for HumanEval's problems, scored by running each problem's tests "
                                      "in the sandbox; pass@k for every k up to --num-samples.")
     add_model_args(h)
-    add_engine_args(h, max_num_seqs=64, max_num_batched_tokens=1024)
+    add_engine_args(h, max_num_seqs=64, max_num_batched_tokens=1024, tensor_parallel=True)
     h.add_argument("--base-url", default=None, metavar="URL",
                    help="evaluate an OpenAI-compatible server instead of loading --model (ours, llama.cpp's, vLLM's)")
     h.add_argument("--served-model", default=None, metavar="NAME", help="the model name to send with --base-url")
@@ -83,7 +83,8 @@ def _humaneval(a: argparse.Namespace) -> int:
         llm = LLM(a.model, dtype=a.dtype, max_model_len=a.max_model_len, **engine_kwargs(a))
         model = str(llm.loaded.path)
         print(f"[humaneval] generating with {llm.loaded.path.name} ({a.dtype})", file=sys.stderr)
-        gen = generate_local(llm, requests, params, on_progress=_Progress("generate", len(requests)))
+        with llm:
+            gen = generate_local(llm, requests, params, on_progress=_Progress("generate", len(requests)))
     completions = [[he.extract_program(t) for t in texts] if a.chat else texts for texts in gen.texts]
 
     output = Path(a.output or "humaneval_samples.jsonl")

@@ -6,6 +6,7 @@ import importlib
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +33,7 @@ class LoadedModel:
     format: str  # "gguf" | "hf" | "nanochat"
     load_seconds: float
     info: dict = field(default_factory=dict)  # loader notes (nanochat: era, step, tag, ...)
+    source: dict = field(default_factory=dict)  # how it was loaded (path, dtype, overrides): what another rank reloads
 
 
 def model_class(architecture: str) -> type[nn.Module]:
@@ -40,16 +42,20 @@ def model_class(architecture: str) -> type[nn.Module]:
 
 
 def load_model(path: str | Path | None = None, dtype: torch.dtype | None = torch.float32,
-               device: str | torch.device = "cpu", overrides: dict | None = None) -> LoadedModel:
+               device: str | torch.device = "cpu", overrides: dict | None = None,
+               transform: Callable[[nn.Module, ModelConfig], nn.Module] | None = None) -> LoadedModel:
     """dtype None ("auto"): a GGUF's tensors as stored, each run by the kernel for its block
     format (a type without one is dequantised at load, with a line saying so); other formats
-    in float32. overrides: for nanochat checkpoints (see loaders.load_files)."""
+    in float32. overrides: for nanochat checkpoints (see loaders.load_files). transform: applied
+    to the built module (a tensor-parallel rank keeps its share)."""
     t0 = time.perf_counter()
     files = load_files(path, dtype, overrides)
     files.info["tensor_formats"] = _settle_formats(files.state)
     model = build_module(files.config, files.state, device, str(files.path))
+    if transform is not None:
+        model = transform(model, files.config)
     return LoadedModel(model, files.tokenizer, files.config, files.path, files.format, time.perf_counter() - t0,
-                       files.info)
+                       files.info, {"path": str(files.path), "dtype": dtype, "overrides": overrides})
 
 
 def _settle_formats(state: dict) -> dict[str, int]:

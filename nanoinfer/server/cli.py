@@ -44,7 +44,7 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                           "(default 5)")
     lim.add_argument("--header-timeout", type=float, default=10.0,
                      help="seconds a connection gets to send a request's headers before it is closed (default 10)")
-    add_engine_args(p, max_num_seqs=64, max_num_batched_tokens=512)
+    add_engine_args(p, max_num_seqs=64, max_num_batched_tokens=512, tensor_parallel=True)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -83,6 +83,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         serve(llm.engine, config, host=a.host, port=a.port, log_level=a.log_level)
     except KeyboardInterrupt:  # uvicorn re-raises SIGINT after its graceful shutdown
         pass
+    finally:
+        llm.close()  # the other tensor-parallel ranks, if any
     return 0
 
 
