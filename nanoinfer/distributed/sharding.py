@@ -17,6 +17,7 @@ otherwise that layer runs dequantised (one line on stderr says which).
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from dataclasses import replace
 
 import torch
@@ -63,10 +64,11 @@ def shard_model(model: nn.Module, config: ModelConfig, rank: int, world: int) ->
     H, Hkv, D = config.num_heads, config.num_kv_heads, config.head_dim
     h, hkv = H // world, Hkv // world
     q_rows, kv_rows = (rank * h * D, (rank + 1) * h * D), (rank * hkv * D, (rank + 1) * hkv * D)
+    dequantised: list[str] = []
     for layer in model.model.layers:
         attn = layer.self_attn
         attn.qkv_proj = _rows(attn.qkv_proj, [q_rows, _shift(kv_rows, H * D), _shift(kv_rows, (H + Hkv) * D)])
-        attn.o_proj = AllReduce(_cols(attn.o_proj, *q_rows))
+        attn.o_proj = AllReduce(_cols(attn.o_proj, *q_rows, dequantised))
         attn.num_heads, attn.num_kv_heads = h, hkv
         if attn.qk_norm_over_heads:
             attn.q_norm = ShardedRMSNorm(attn.q_norm, *q_rows, H * D)
@@ -76,7 +78,7 @@ def shard_model(model: nn.Module, config: ModelConfig, rank: int, world: int) ->
             inter = expert.down_proj.in_features
             cols = (rank * inter // world, (rank + 1) * inter // world)
             expert.gate_up_proj = _rows(expert.gate_up_proj, [cols, _shift(cols, inter)])
-            expert.down_proj = _cols(expert.down_proj, *cols)
+            expert.down_proj = _cols(expert.down_proj, *cols, dequantised)
         layer.mlp = AllReduce(mlp)
     vocab = (rank * config.vocab_size // world, (rank + 1) * config.vocab_size // world)
     embed = model.model.embed_tokens
@@ -88,6 +90,10 @@ def shard_model(model: nn.Module, config: ModelConfig, rank: int, world: int) ->
     else:
         head = _rows(model.lm_head, [vocab])
     model.lm_head = GatherVocab(head)
+    if dequantised and rank == 0:
+        kinds = ", ".join(f"{n} x {k}" for k, n in Counter(dequantised).items())
+        print(f"nanoinfer: tensor parallel: {len(dequantised)} weights split inside their blocks run dequantised "
+              f"({kinds})", file=sys.stderr)
     adapt_linears(model)  # the new dense linears packed for the CPU GEMM
     return model
 
@@ -187,16 +193,16 @@ def _rows(linear: nn.Module, spans: list[tuple[int, int]]) -> nn.Module:
     return QuantLinear(parts, bias)
 
 
-def _cols(linear: nn.Module, start: int, end: int) -> nn.Module:
-    """The input columns start .. end (a copy); no bias (the row-parallel layers have none)."""
+def _cols(linear: nn.Module, start: int, end: int, dequantised: list[str]) -> nn.Module:
+    """The input columns start .. end (a copy); no bias (the row-parallel layers have none).
+    A block format split inside its blocks is dequantised (and named in `dequantised`)."""
     if not isinstance(linear, QuantLinear):
         return _linear_from(_dense(linear)[:, start:end].contiguous(), None)
     parts = []
     for p in linear.parts:
         bs = block_size(p.qtype)
         if start % bs or end % bs:
-            print(f"nanoinfer: a {p.type_name} [{p.shape[0]}, {p.shape[1]}] weight splits columns at {start}:{end}, "
-                  f"inside its {bs}-value blocks: that part runs dequantised", file=sys.stderr)
+            dequantised.append(f"{p.type_name} [{p.shape[0]}, {p.shape[1]}]")
             dense = torch.cat([dequantize(q) for q in linear.parts])
             return _linear_from(dense[:, start:end].contiguous(), None)
         per = p.data.shape[1] // (p.shape[1] // bs)  # bytes per block

@@ -276,6 +276,6 @@ def serve(engine: LLMEngine, config: ServerConfig, host: str = "127.0.0.1", port
           log_level: str = "info") -> None:
     app = create_app(engine, config)
     protocol = type("HeaderTimeoutH11Protocol", (HeaderTimeoutH11Protocol,), {"header_timeout": config.header_timeout})
-    uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
+    uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol, loop="asyncio",
                                timeout_graceful_shutdown=config.shutdown_timeout + _ABORT_GRACE)
     _Server(uv_config, app.state.async_engine, config.shutdown_timeout).run()

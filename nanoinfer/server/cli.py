@@ -21,6 +21,7 @@ from ..cli_args import (
     positive_int,
     run_command,
 )
+from ..errors import NanoinferError
 
 
 def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -45,6 +46,13 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     lim.add_argument("--header-timeout", type=float, default=10.0,
                      help="seconds a connection gets to send a request's headers before it is closed (default 10)")
     add_engine_args(p, max_num_seqs=64, max_num_batched_tokens=512, tensor_parallel=True)
+    rep = p.add_argument_group("replicas (Ray Serve)")
+    rep.add_argument("--replicas", type=positive_int, default=1,
+                     help="serve N engine replicas behind this endpoint on Ray Serve (pip install 'nanoinfer[ray]')")
+    rep.add_argument("--ray-address", default=None,
+                     help="join this Ray cluster (default: start a local Ray instance)")
+    rep.add_argument("--routing", default="prefix", choices=["prefix", "round-robin"],
+                     help="how replicas are picked: prefix-aware (default) or round-robin")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -66,6 +74,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from .serving import ServerConfig
 
     logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+    if a.replicas > 1 or a.ray_address:
+        return _serve_replicas(a)
     llm = LLM(a.model, dtype=a.dtype, max_model_len=a.max_model_len, speculative_config=a.speculative_config,
               **engine_kwargs(a))
     lm = llm.loaded
@@ -85,6 +95,22 @@ def cmd_serve(a: argparse.Namespace) -> int:
         pass
     finally:
         llm.close()  # the other tensor-parallel ranks, if any
+    return 0
+
+
+def _serve_replicas(a: argparse.Namespace) -> int:
+    from .replicas import ReplicaSettings, serve_replicas
+
+    if a.tensor_parallel_size > 1:
+        raise NanoinferError("--replicas with --tensor-parallel-size is not supported yet: pick one")
+    name = a.served_model_name or (default_name(Path(a.model)) if a.model else "SmolLM2-135M-Instruct.Q4_1")
+    server = dict(model_name=name, max_n=a.max_n, max_tokens_limit=a.max_tokens_limit,
+                  max_request_bytes=a.max_request_bytes, max_prompts=a.max_prompts,
+                  shutdown_timeout=a.shutdown_timeout, header_timeout=a.header_timeout)
+    settings = ReplicaSettings(a.model and str(Path(a.model).resolve()), a.dtype, a.max_model_len, engine_kwargs(a),
+                               server, a.replicas, a.speculative_config)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    serve_replicas(settings, a.host, a.port, a.ray_address, a.routing)
     return 0
 
 
