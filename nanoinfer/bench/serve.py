@@ -24,7 +24,7 @@ import math
 import random
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import NanoinferError
@@ -468,6 +468,21 @@ def check_args(a: argparse.Namespace) -> None:
         raise NanoinferError("--warmup must be >= 0")
 
 
+async def prefix_cache_counts(client, url: str) -> dict[str, float] | None:
+    """nanoinfer's prefix-cache counters from /metrics, summed over every label set (replicas);
+    None for a server without them."""
+    try:
+        text = (await client.get(f"{url}/metrics", timeout=10)).text
+    except Exception:  # noqa: BLE001 -- not every server has /metrics
+        return None
+    out = {"hits": 0.0, "queries": 0.0}
+    for line in text.splitlines():
+        for key in out:
+            if line.startswith(f"nanoinfer_prefix_cache_{key}_total"):
+                out[key] += float(line.rsplit(" ", 1)[1])
+    return out if out["queries"] else None
+
+
 def base_url(url: str) -> str:
     # People paste the OpenAI client's base URL, which ends in /v1.
     url = url.rstrip("/")
@@ -509,6 +524,10 @@ async def bench(a: argparse.Namespace, slos: dict[str, float]) -> tuple[dict, Lo
         except TimeoutError:
             specs, sized_by = guessed_specs(input_lens, output_lens, a.seed), "estimate"
         progress_done()
+        if a.shared_prefixes:  # K system prompts, cycled: request i starts with prompt i % K
+            systems = [prompt_words(a.seed + 7919, k, a.prefix_len) for k in range(a.shared_prefixes)]
+            specs = [replace(sp, prompt=f"{systems[i % len(systems)]}\n{sp.prompt}", prompt_tokens=None,
+                             input_len=sp.input_len + a.prefix_len) for i, sp in enumerate(specs)]
         target = Target(url, a.endpoint, model, a.ignore_eos)
         for k in range(a.warmup):  # the server's first requests may pay for lazy set-up: not timed
             progress(f"warm-up request {k + 1}/{a.warmup} ...")
@@ -516,8 +535,13 @@ async def bench(a: argparse.Namespace, slos: dict[str, float]) -> tuple[dict, Lo
             if not w.ok:
                 progress(f"warning: warm-up request failed: {w.error_kind}: {w.error}")
         progress_done()
+        cache_before = await prefix_cache_counts(client, url)
         load = await drive(client, httpx, target, specs, offsets, a.concurrency, a.request_timeout, left())
+        cache_after = await prefix_cache_counts(client, url)
     summary = summarize(load, slos)
+    if cache_before and cache_after:  # the server's own count, over all its replicas
+        hits, queries = (cache_after[k] - cache_before[k] for k in ("hits", "queries"))
+        summary["prefix_cache_hit_rate"] = hits / queries if queries else None
     summary["prompts_sized_by"] = sized_by
     summary["server_models"] = models
     return summary, load, target
@@ -542,12 +566,14 @@ def run(a: argparse.Namespace) -> int:
     print(f"serve: {target.url} {target.path()} model {target.model or '?'}, {a.num_requests} requests, {mode}, "
           f"input {a.input_len} / output {a.output_len} tokens (range ratio {a.range_ratio:g})")
     print_report(summary, slos)
+    if summary.get("prefix_cache_hit_rate") is not None:
+        print(f"prefix cache: {summary['prefix_cache_hit_rate']:.1%} of prompt tokens found cached (the server's count)")
     if plot:
         draw(plot, load.results, f"{target.model} at {target.url}: {a.num_requests} requests, {mode}")
         print(f"plot: {plot}")
     config = {k: getattr(a, k) for k in ("endpoint", "num_requests", "request_rate", "concurrency", "input_len",
                                          "output_len", "range_ratio", "ignore_eos", "seed", "timeout",
-                                         "request_timeout", "warmup")}
+                                         "request_timeout", "warmup", "shared_prefixes", "prefix_len")}
     config["goodput_slos_ms"] = slos
     emit_json({"bench": "serve", "url": target.url, "endpoint_path": target.path(), "model": target.model,
                "config": config, **summary,
