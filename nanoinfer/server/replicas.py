@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import re
+import signal
 import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
@@ -328,12 +329,23 @@ def serve_replicas(settings: ReplicaSettings, host: str, port: int, ray_address:
     serve.run(router.bind(settings, policy, *engines), name="nanoinfer", route_prefix="/")
     logger.warning("serving %d replicas on http://%s:%d (Ray Serve; routing: %s)", settings.replicas, host, port, policy)
     print(f"[nanoinfer: {settings.replicas} replicas on http://{host}:{port}, routing {policy}]", flush=True)
+
+    def stop(*_) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGINT, stop)  # (Ray's driver set-up replaces Python's own SIGINT handling)
+    signal.signal(signal.SIGTERM, stop)
     try:
         while True:
             time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
     finally:
+        import psutil
+
+        started = psutil.Process().children(recursive=True)  # the local Ray we started, if any
         serve.shutdown()
         ray.shutdown()
+        # Ray's per-node agents can outlive a local instance's shutdown: end what is left of it.
+        _, alive = psutil.wait_procs(started, timeout=10)
+        for p in alive:
+            p.kill()
 
