@@ -125,8 +125,9 @@ def _add_commands(sub) -> None:
                      help="seconds for one request (default: the run's --timeout)")
     srv.add_argument("--warmup", type=int, default=1, help="untimed requests sent first (default 1)")
     srv.add_argument("--shared-prefixes", type=int, default=0, metavar="K",
-                     help="start request i with system prompt i %% K (K prompts of --prefix-len words), and report "
-                          "the server's prefix-cache hit rate (default 0: no shared prefixes)")
+                     help="start each request with one of K system prompts (--prefix-len words; each prompt an equal share "
+                          "of the requests, in a seeded random order) and report the server's prefix-cache hit rate "
+                          "(default 0: no shared prefixes)")
     srv.add_argument("--prefix-len", type=int, default=256, help="words per shared prefix (default 256)")
     srv.add_argument("--plot", default=None, metavar="FILE.png", help="also draw TTFT/E2E CDFs and the ITL histogram")
     srv.set_defaults(func=_serve)

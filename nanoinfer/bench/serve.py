@@ -524,10 +524,12 @@ async def bench(a: argparse.Namespace, slos: dict[str, float]) -> tuple[dict, Lo
         except TimeoutError:
             specs, sized_by = guessed_specs(input_lens, output_lens, a.seed), "estimate"
         progress_done()
-        if a.shared_prefixes:  # K system prompts, cycled: request i starts with prompt i % K
+        if a.shared_prefixes:  # K system prompts, each starting an equal share of the requests, in a seeded order
             systems = [prompt_words(a.seed + 7919, k, a.prefix_len) for k in range(a.shared_prefixes)]
-            specs = [replace(sp, prompt=f"{systems[i % len(systems)]}\n{sp.prompt}", prompt_tokens=None,
-                             input_len=sp.input_len + a.prefix_len) for i, sp in enumerate(specs)]
+            which = [i % len(systems) for i in range(len(specs))]
+            random.Random(a.seed + 1).shuffle(which)
+            specs = [replace(sp, prompt=f"{systems[k]}\n{sp.prompt}", prompt_tokens=None,
+                             input_len=sp.input_len + a.prefix_len) for k, sp in zip(which, specs)]
         target = Target(url, a.endpoint, model, a.ignore_eos)
         for k in range(a.warmup):  # the server's first requests may pay for lazy set-up: not timed
             progress(f"warm-up request {k + 1}/{a.warmup} ...")
