@@ -468,11 +468,11 @@ def check_args(a: argparse.Namespace) -> None:
         raise NanoinferError("--warmup must be >= 0")
 
 
-async def prefix_cache_counts(client, url: str) -> dict[str, float] | None:
+async def prefix_cache_counts(client, url: str, timeout: float) -> dict[str, float] | None:
     """nanoinfer's prefix-cache counters from /metrics, summed over every label set (replicas);
     None for a server without them."""
     try:
-        text = (await client.get(f"{url}/metrics", timeout=10)).text
+        text = (await client.get(f"{url}/metrics", timeout=max(timeout, 0.1))).text
     except Exception:  # noqa: BLE001 -- not every server has /metrics
         return None
     out = {"hits": 0.0, "queries": 0.0}
@@ -537,9 +537,9 @@ async def bench(a: argparse.Namespace, slos: dict[str, float]) -> tuple[dict, Lo
             if not w.ok:
                 progress(f"warning: warm-up request failed: {w.error_kind}: {w.error}")
         progress_done()
-        cache_before = await prefix_cache_counts(client, url)
+        cache_before = await prefix_cache_counts(client, url, min(10.0, left())) if a.shared_prefixes else None
         load = await drive(client, httpx, target, specs, offsets, a.concurrency, a.request_timeout, left())
-        cache_after = await prefix_cache_counts(client, url)
+        cache_after = await prefix_cache_counts(client, url, min(10.0, left())) if cache_before else None
     summary = summarize(load, slos)
     if cache_before and cache_after:  # the server's own count, over all its replicas
         hits, queries = (cache_after[k] - cache_before[k] for k in ("hits", "queries"))
