@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from nanoinfer import LLM, SamplingParams
-from nanoinfer.kernels import quant
 from nanoinfer.kernels.quant_linear import QuantLinear
 from nanoinfer.models.batch import ForwardBatch
 from nanoinfer.models.llama import MLP
 from nanoinfer.models.moe import SparseMoeBlock
 from nanoinfer.reference import generate_uncached
+from test_quant_path import check_alone_and_beside, kernels_or_skip, prompt
 
 from gguf_export import write_gguf_from_hf
 
@@ -27,17 +27,6 @@ def moe_ggufs(make_hf_model, tiny_tokenizer_dir, tmp_path_factory):
         model, _ = make_hf_model(kind, kind == "qwen3moe")  # qwen3moe tied: its head reads the quantised table
         files[kind] = write_gguf_from_hf(model, tiny_tokenizer_dir, folder / f"{kind}-{qtype}.gguf", qtype)
     return files
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def kernels_or_skip(qtype_name: str) -> None:
-    import gguf
-
-    if not quant.supported(int(gguf.GGMLQuantizationType[qtype_name])):
-        pytest.skip(f"no {qtype_name} kernel on this machine")
 
 
 @pytest.mark.parametrize("kind", ["qwen2moe", "mixtral"])
@@ -96,15 +85,7 @@ def test_a_request_beside_others_keeps_its_bits(moe_ggufs):
     """Quantised Qwen3-MoE: a request's logprobs alone and among 30 others with chunked prefill
     (its tokens share experts with different neighbours each step): the same bits."""
     kernels_or_skip("Q4_0")
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
-    target = {"prompt_token_ids": prompt(29, 7)}
-    alone = LLM(moe_ggufs["qwen3moe"], dtype="auto").generate(target, params)[0].outputs[0]
-    llm = LLM(moe_ggufs["qwen3moe"], dtype="auto", max_num_batched_tokens=40)
-    crowd = [{"prompt_token_ids": prompt(5 + i % 17, 100 + i)} for i in range(30)]
-    beside = llm.generate(crowd[:15] + [target] + crowd[15:], params)[15].outputs[0]
-    assert beside.token_ids == alone.token_ids
-    assert [{k: v.logprob for k, v in d.items()} for d in beside.logprobs] == \
-           [{k: v.logprob for k, v in d.items()} for d in alone.logprobs]
+    check_alone_and_beside(moe_ggufs["qwen3moe"], 29, 30, 10, 40)
 
 
 def test_dense_layers_among_sparse_ones(make_hf_model):

@@ -89,20 +89,25 @@ def test_close_to_the_dequantised_model(ggufs, qtype):
     assert (ours.argmax(-1) == dense.argmax(-1)).float().mean() >= 0.9
 
 
+def check_alone_and_beside(path, prompt_len: int, crowd: int, max_tokens: int, budget: int) -> None:
+    """A request's greedy tokens and logprobs alone, and in the middle of `crowd` others with
+    chunked prefill (a budget of `budget` tokens a step): the same bits."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=3)
+    target = {"prompt_token_ids": prompt(prompt_len, 7)}
+    alone = LLM(path, dtype="auto").generate(target, params)[0].outputs[0]
+    llm = LLM(path, dtype="auto", max_num_batched_tokens=budget)
+    others = [{"prompt_token_ids": prompt(5 + i % 23, 100 + i)} for i in range(crowd)]
+    beside = llm.generate(others[:crowd // 2] + [target] + others[crowd // 2:], params)[crowd // 2].outputs[0]
+    assert beside.token_ids == alone.token_ids
+    assert [{k: v.logprob for k, v in d.items()} for d in beside.logprobs] == \
+           [{k: v.logprob for k, v in d.items()} for d in alone.logprobs]
+
+
 def test_rows_are_bit_identical_whatever_runs_beside_them(ggufs, quant_path):
     """A request's logprobs alone, and beside 40 others with chunked prefill: the same bits,
     on each dispatch path this CPU has (forced one by one)."""
     kernels_or_skip("Q4_1")
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
-    target = {"prompt_token_ids": prompt(37, 7)}
-    alone = LLM(ggufs["Q4_1"], dtype="auto").generate(target, params)[0].outputs[0]
-    llm = LLM(ggufs["Q4_1"], dtype="auto", max_num_batched_tokens=48)
-    crowd = [{"prompt_token_ids": prompt(5 + i % 23, 100 + i)} for i in range(40)]
-    outs = llm.generate(crowd[:20] + [target] + crowd[20:], params)
-    beside = outs[20].outputs[0]
-    assert beside.token_ids == alone.token_ids
-    assert [{k: v.logprob for k, v in d.items()} for d in beside.logprobs] == \
-           [{k: v.logprob for k, v in d.items()} for d in alone.logprobs]
+    check_alone_and_beside(ggufs["Q4_1"], 37, 40, 12, 48)
 
 
 def test_a_type_without_a_kernel_is_dequantised_with_a_line(ggufs, monkeypatch, capsys):
