@@ -9,13 +9,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-# A worker waits on the next step's broadcast for as long as the engine is idle.
+# A worker waits on the next step's broadcast for as long as the engine is idle; rank 0 never
+# waits idle, so a rank that died (or never joined) is an error after STEP_TIMEOUT, not a hang.
 IDLE_TIMEOUT = datetime.timedelta(days=365)
+STEP_TIMEOUT = datetime.timedelta(minutes=5)
 
 
 def init(rank: int, world: int, init_method: str, device: str = "cpu") -> None:
     backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=IDLE_TIMEOUT)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=STEP_TIMEOUT if rank == 0 else IDLE_TIMEOUT)
 
 
 def initialized() -> bool:
