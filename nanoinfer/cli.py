@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -140,6 +141,9 @@ def fit_history(llm, history: list[dict], reserve: int, parse_special: bool = Fa
 
 
 def cmd_chat(a: argparse.Namespace) -> int:
+    # Ctrl-C stops a reply even when the chat was started from a shell's background job,
+    # which starts with SIGINT ignored (Python then keeps it ignored)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     params = sampling_params(a)
     llm = load_llm(a)
     params = with_tool_markers(llm, params)
