@@ -84,7 +84,7 @@ def _humaneval(a: argparse.Namespace) -> int:
         model = str(llm.loaded.path)
         print(f"[humaneval] generating with {llm.loaded.path.name} ({a.dtype})", file=sys.stderr)
         with llm:
-            gen = generate_local(llm, requests, params, on_progress=_Progress("generate", len(requests)))
+            gen = generate_local(llm, requests, params, progress=True)
     completions = [[he.extract_program(t) for t in texts] if a.chat else texts for texts in gen.texts]
 
     output = Path(a.output or "humaneval_samples.jsonl")

@@ -30,14 +30,13 @@ class Generation:
     prefill_tokens: int | None = None  # prompt tokens the engine ran (local only): n samples share one prefill
 
 
-def generate_local(llm, requests: list[Request], params: SamplingParams,
-                   on_progress: Callable[[int], None] | None = None) -> Generation:
+def generate_local(llm, requests: list[Request], params: SamplingParams, progress: bool = False) -> Generation:
     """All requests into the engine at once (continuous batching; each request's n samples
-    are forks of one prefill)."""
+    are forks of one prefill). progress: the engine's bar of finished requests on stderr."""
     prompts = [r.prompt if r.messages is None else {"prompt_token_ids": llm.chat_ids(r.messages)} for r in requests]
     before = llm.engine.prefill_tokens
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=on_progress is not None)
+    outs = llm.generate(prompts, params, use_tqdm=progress)
     seconds = time.perf_counter() - t0
     return Generation([[c.text for c in o.outputs] for o in outs],
                       sum(len(c.token_ids) for o in outs for c in o.outputs),

@@ -548,6 +548,7 @@ def load_gguf(
         if tuple(shapes[name]) != shape:
             raise ModelLoadError(f"tensor {name} has shape {list(shapes[name])}, the metadata implies {list(shape)}")
 
+    family = registry.by_name(cfg.architecture)
     state: dict[str, torch.Tensor] = {}
     longrope: dict[str, np.ndarray] = {}
     for info in gf.tensors:
@@ -565,11 +566,10 @@ def load_gguf(
             for e, t in enumerate(_experts(gf.buf, info, dtype)):
                 state[f"model.layers.{m.group(1)}.mlp.experts.{e}.{m.group(2)}_proj.weight"] = t
             continue
-        hf_name = _hf_name(info.name, cfg.norm_layout, registry.by_name(cfg.architecture).gguf_fused)
+        hf_name = _hf_name(info.name, cfg.norm_layout, family.gguf_fused)
         if hf_name is None or info.name not in expected:
             raise ModelLoadError(f"unexpected tensor {info.name!r} in a {cfg.architecture} GGUF file")
-        llama_rope = registry.by_name(cfg.architecture).gguf_llama_rope
-        permute = llama_rope and info.name.endswith((".attn_q.weight", ".attn_k.weight"))
+        permute = family.gguf_llama_rope and info.name.endswith((".attn_q.weight", ".attn_k.weight"))
         if dtype is None and len(info.shape) == 2 and info.qtype != GGMLQuantizationType.F32:
             qt = _as_stored(gf.buf, info)
             if permute:  # whole rows move: exact in any block format
@@ -578,7 +578,7 @@ def load_gguf(
             state[hf_name] = qt
             continue
         w = _dequantize(gf.buf, info)
-        if llama_rope:
+        if family.gguf_llama_rope:
             if info.name.endswith((".attn_q.weight", ".attn_q.bias")):
                 w = _unpermute(w, cfg.num_heads)
             elif info.name.endswith((".attn_k.weight", ".attn_k.bias")):
@@ -596,19 +596,22 @@ def _experts(buf: mmap.mmap, info: _TensorInfo, dtype: torch.dtype | None) -> li
     (each expert's rows are contiguous) when kept as stored, else dequantised."""
     n, rows, cols = info.shape
     if dtype is None and info.qtype != GGMLQuantizationType.F32:
-        with warnings.catch_warnings():  # read-only map, never written through
-            warnings.simplefilter("ignore", UserWarning)
-            data = torch.frombuffer(buf, dtype=torch.uint8, count=info.nbytes, offset=info.offset).view(n, rows, -1)
+        data = _stored_bytes(buf, info).view(n, rows, -1)
         return [QuantizedTensor(data[e], int(info.qtype), (rows, cols), info.qtype.name) for e in range(n)]
     w = torch.from_numpy(_dequantize(buf, info)).to(dtype or torch.float32)
     return list(w.unbind(0))
 
 
-def _as_stored(buf: mmap.mmap, info: _TensorInfo) -> QuantizedTensor:
+def _stored_bytes(buf: mmap.mmap, info: _TensorInfo) -> torch.Tensor:
+    """The tensor's bytes as a uint8 view of the mapped file."""
     with warnings.catch_warnings():  # the map is read-only; nothing ever writes through this view
         warnings.simplefilter("ignore", UserWarning)
-        data = torch.frombuffer(buf, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
-    return QuantizedTensor(data.view(info.shape[0], -1), int(info.qtype), info.shape, info.qtype.name)
+        return torch.frombuffer(buf, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
+
+
+def _as_stored(buf: mmap.mmap, info: _TensorInfo) -> QuantizedTensor:
+    return QuantizedTensor(_stored_bytes(buf, info).view(info.shape[0], -1), int(info.qtype), info.shape,
+                           info.qtype.name)
 
 
 def dequantize(qt: QuantizedTensor) -> torch.Tensor:
