@@ -39,6 +39,7 @@ from .sequence import ForwardStat, RequestOutput, Sequence, StreamDelta, spec_fi
 class EngineConfig:
     max_model_len: int | None = None  # default: the model's context window (clamped to the KV pool)
     kv_cache_memory: int | None = None  # bytes for the KV pool; None: default_kv_pool_bytes
+    kv_memory_share: float = 1.0  # the share of the machine's memory the default pool is sized from (1/N for N replicas)
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -107,7 +108,8 @@ class LLMEngine:
         pool = config.kv_cache_memory
         if pool is None:
             context = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-            pool = default_kv_pool_bytes(bytes_per_token, context, config.max_num_seqs, available_memory())
+            pool = default_kv_pool_bytes(bytes_per_token, context, config.max_num_seqs,
+                                         int(available_memory() * config.kv_memory_share))
         num_blocks = max(1, pool // (config.block_size * bytes_per_token))
         self.cache = PagedKVCache.allocate(mc.num_layers, num_blocks, config.block_size, rank_mc.num_kv_heads,
                                            mc.head_dim, self.kv_dtype, self.device)

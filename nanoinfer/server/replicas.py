@@ -16,8 +16,8 @@ application behind one OpenAI-compatible endpoint.
 - A replica that dies fails its in-flight requests (a 503 before the response started, an
   error event in a stream) and gets no new ones for DEAD_BACKOFF_S, while Ray Serve
   restarts it; the others serve on.
-- Each replica sizes its KV pool from its share of the machine (available memory / N), and
-  uses cpu_count / N torch threads.
+- Each replica sizes its default KV pool by the engine's rule on its share of the machine
+  (EngineConfig.kv_memory_share = 1/N), and uses cpu_count / N torch threads.
 
 Without an address Ray starts a local instance; with one (`ray://...` or `HOST:PORT`) the
 replicas join that cluster. Ray is an optional extra: `pip install 'nanoinfer[ray]'`.
@@ -64,16 +64,14 @@ class EngineReplica:
     def __init__(self, settings: ReplicaSettings, index: int):
         import torch
 
-        from ..engine.core import available_memory
         from ..llm import LLM
         from .app import create_app
         from .serving import ServerConfig
 
         self.index = index
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // settings.replicas))
-        engine = dict(settings.engine)
-        if engine.get("kv_cache_memory") is None:  # this replica's share of the machine, not all of it
-            engine["kv_cache_memory"] = available_memory() // (4 * settings.replicas)
+        # the engine's own pool rule, on this replica's share of the machine rather than all of it
+        engine = {**settings.engine, "kv_memory_share": 1 / settings.replicas}
         self.llm = LLM(settings.model, dtype=settings.dtype, max_model_len=settings.max_model_len,
                        speculative_config=settings.speculative_config, **engine)
         self.app = create_app(self.llm.engine, ServerConfig(**settings.server))
