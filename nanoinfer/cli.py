@@ -74,7 +74,7 @@ def load_llm(a: argparse.Namespace):
     if a.model and a.max_model_len and Path(a.model).exists() and detect_format(Path(a.model)) == "nanochat":
         # nanochat's windows let it slide past sequence_len (up to 10x): widen its rotary table
         overrides = {"max_position_embeddings": a.max_model_len}
-    llm = LLM(a.model, dtype=a.dtype, max_model_len=a.max_model_len, model_overrides=overrides,
+    llm = LLM(a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len, model_overrides=overrides,
               speculative_config=a.speculative_config)
     lm = llm.loaded
     formats = ", ".join(f"{n} {f}" for f, n in sorted(lm.info.get("tensor_formats", {}).items(), key=lambda x: -x[1]))

@@ -51,13 +51,16 @@ def add_model_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_model_args(p: argparse.ArgumentParser, *, dtype: str | None = "auto", dtype_rule: str = "",
-                   max_model_len: bool = True) -> None:
-    """--model, --dtype and (unless max_model_len=False) --max-model-len. dtype=None: the
-    command picks one later, as `dtype_rule` tells the help."""
+                   max_model_len: bool = True, device: str | None = "cpu",
+                   device_rule: str = "cuda when available") -> None:
+    """--model, --dtype, --device and (unless max_model_len=False) --max-model-len.
+    dtype=None or device=None: the command picks one later, as `dtype_rule` or `device_rule`
+    tells the help."""
     add_model_arg(p)
     p.add_argument("--dtype", default=dtype,
                    help=f"auto (a GGUF as stored, on the block-format kernels) | float32 | bfloat16 | float16 "
                         f"(default {dtype or dtype_rule})")
+    p.add_argument("--device", default=device, help=f"cpu | cuda | cuda:N (default {device or device_rule})")
     if max_model_len:
         p.add_argument("--max-model-len", type=positive_int, default=None, help="context window (default: the model's)")
 

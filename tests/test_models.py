@@ -40,7 +40,7 @@ def engine_greedy(llm: LLM, ids: list[int], steps: int):
     def spy(batch):
         logits, samplers = run(batch)
         if samplers:
-            captured.append(logits[0].clone())
+            captured.append(logits[0].cpu().clone())
         return logits, samplers
 
     llm.engine.runner.run = spy
@@ -57,7 +57,7 @@ def check_parity(hf_model, path, steps: int = STEPS, prompt_len: int = 12, **eng
     ids = prompt_ids(llm.loaded.config.vocab_size, n=prompt_len)
     with torch.no_grad():  # prefill, uncached: every position's logits
         ref = hf_model(torch.tensor([ids])).logits[0].float()
-        ours = llm.loaded.model(ForwardBatch.whole(torch.tensor(ids)))
+        ours = llm.loaded.model(ForwardBatch.whole(torch.tensor(ids, device=next(llm.loaded.model.parameters()).device))).cpu()
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
     ref_tokens, ref_logits = hf_greedy(hf_model, ids, steps)
     tokens, logits = engine_greedy(llm, ids, steps)
@@ -96,6 +96,21 @@ def test_gguf_parity(make_hf_model, tiny_tokenizer_dir, tmp_path, kind, tie):
     assert check_parity(hf_model, path).loaded.format == "gguf"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind,tie,fmt", [("llama", False, "hf"), ("qwen3", True, "hf"), ("gemma3", False, "hf"),
+                                          ("qwen3moe", False, "hf"), ("llama", True, "gguf")])
+def test_cuda_parity(make_hf_model, tiny_tokenizer_dir, tmp_path, kind, tie, fmt):
+    """The same parity on a GPU, in float32: CUDA's attention and sampling paths."""
+    from gguf_export import write_gguf_from_hf
+
+    hf_model, path = make_hf_model(kind, tie)
+    if fmt == "gguf":
+        path = tmp_path / "model.gguf"
+        write_gguf_from_hf(hf_model, tiny_tokenizer_dir, path)
+    llm = check_parity(hf_model, path, device="cuda", dtype="float32")
+    assert next(llm.loaded.model.parameters()).device.type == "cuda"
+
+
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
 def test_cached_equals_uncached(make_hf_model, kind):
     """The reference loop (no cache, full forward each step) and the engine agree token for token.
@@ -128,7 +143,7 @@ def test_real_gemma3_gguf_against_transformers():
         assert ids == hf_tok(text)["input_ids"], text
         with torch.no_grad():
             ref = hf(torch.tensor([ids])).logits[0].float()
-            ours = llm.loaded.model(ForwardBatch.whole(torch.tensor(ids)))
+            ours = llm.loaded.model(ForwardBatch.whole(torch.tensor(ids, device=next(llm.loaded.model.parameters()).device))).cpu()
         torch.testing.assert_close(ours, ref, atol=2e-4, rtol=0)
         want = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
         got = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))

@@ -39,11 +39,11 @@ class AttentionBackend(Protocol):
         ...
 
 
-def causal_mask(start: int, T: int, window: int | None) -> torch.Tensor:
+def causal_mask(start: int, T: int, window: int | None, device: torch.device | str = "cpu") -> torch.Tensor:
     """[T, start + T] boolean mask: query i (absolute position start + i) sees key j
     when j <= start + i and, with a sliding window w, j > start + i - w."""
-    q_pos = torch.arange(start, start + T).unsqueeze(1)
-    k_pos = torch.arange(start + T).unsqueeze(0)
+    q_pos = torch.arange(start, start + T, device=device).unsqueeze(1)
+    k_pos = torch.arange(start + T, device=device).unsqueeze(0)
     mask = k_pos <= q_pos
     if window is not None:
         mask &= k_pos > q_pos - window
@@ -64,7 +64,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     scores = (q.float() @ k.float().transpose(-1, -2)) * params.scale
     scores = params.softcap * torch.tanh(scores / params.softcap)
     if mask is None and causal:
-        mask = causal_mask(0, q.shape[-2], None).to(q.device)
+        mask = causal_mask(0, q.shape[-2], None, q.device)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return (torch.softmax(scores, -1) @ v.float()).to(q.dtype)

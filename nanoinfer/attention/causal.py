@@ -19,4 +19,4 @@ class CausalAttention:
         T, p = q.shape[0], self.params[layer]
         if p.window is None or p.window >= T:
             return sdpa(q, k, v, None, p, causal=True)
-        return sdpa(q, k, v, causal_mask(0, T, p.window), p)
+        return sdpa(q, k, v, causal_mask(0, T, p.window, q.device), p)

@@ -25,7 +25,7 @@ class PrefillSlice:
 
     def mask(self, window: int | None) -> torch.Tensor:
         if window not in self.masks:
-            self.masks[window] = causal_mask(self.ctx_len - self.q_len, self.q_len, window)
+            self.masks[window] = causal_mask(self.ctx_len - self.q_len, self.q_len, window, self.table.device)
         return self.masks[window]
 
 

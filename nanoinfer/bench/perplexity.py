@@ -219,7 +219,6 @@ def add_perplexity_parser(subparsers) -> argparse.ArgumentParser:
     add_model_args(p, max_model_len=False)
     p.add_argument("--ctx", "-c", type=positive_int, default=512, help="tokens per chunk (default 512)")
     p.add_argument("--chunks", type=positive_int, default=None, help="evaluate the first N chunks only (default all)")
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
     p.add_argument("--json", action="store_true", help="end with one JSON line of every figure")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)

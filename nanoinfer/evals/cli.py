@@ -80,7 +80,7 @@ def _humaneval(a: argparse.Namespace) -> int:
         model = a.served_model or a.base_url
     else:
         from ..llm import LLM
-        llm = LLM(a.model, dtype=a.dtype, max_model_len=a.max_model_len, **engine_kwargs(a))
+        llm = LLM(a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len, **engine_kwargs(a))
         model = str(llm.loaded.path)
         print(f"[humaneval] generating with {llm.loaded.path.name} ({a.dtype})", file=sys.stderr)
         with llm:

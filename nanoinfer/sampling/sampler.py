@@ -88,15 +88,17 @@ class RowSampler:
         if p.top_k > 0 and p.top_k < logits.shape[-1]:
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, order = torch.sort(logits, descending=True)
-            cum = torch.softmax(sorted_logits, -1).cumsum(-1)
-            # drop a token when the mass before it already reaches top_p; the first always stays
-            drop = (cum - torch.softmax(sorted_logits, -1)) >= p.top_p
-            drop[0] = False
-            logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
         probs = torch.softmax(logits, -1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        tokens = None  # None: probs is over the whole vocabulary
+        if p.top_p < 1.0:
+            tokens, probs = nucleus(probs, p.top_p)
+        # inverse-CDF draw from the row's generator: one uniform number per token
+        cdf = probs.cumsum(0)
+        u = torch.rand((), generator=self.generator, dtype=torch.float64) * cdf[-1]
+        i = int(torch.searchsorted(cdf, u, right=True))
+        if i == cdf.shape[0]:  # u rounded up to the total: the last token with any mass
+            i = int(torch.nonzero(probs).max())
+        return int(tokens[i]) if tokens is not None else i
 
     def logprobs(self, raw: torch.Tensor, token: int) -> dict[int, Logprob]:
         """The model's own distribution (before penalties and temperature), as OpenAI and vLLM report it."""
@@ -110,6 +112,21 @@ class RowSampler:
         if token not in out:
             out[token] = Logprob(float(lp[token]), int((lp > lp[token]).sum()) + 1)
         return out
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """top_p's tokens and their probabilities, most likely first: a token stays while the mass
+    of those before it is below top_p (the first always stays). Found among the top 64, then
+    512, ... candidates rather than by sorting the whole vocabulary: the kept set is a prefix
+    of the descending order, so once it ends before the candidates do, it is complete."""
+    k, V = 64, probs.shape[0]
+    while True:
+        k = min(k, V)
+        vals, ids = torch.topk(probs, k)
+        n = max(1, int(((vals.cumsum(0) - vals) < top_p).sum()))
+        if n < k or k == V:
+            return ids[:n], vals[:n]
+        k *= 8
 
 
 def scale(logits: torch.Tensor, temperature: float) -> torch.Tensor:

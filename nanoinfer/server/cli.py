@@ -76,8 +76,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     if a.replicas > 1 or a.ray_address:
         return _serve_replicas(a)
-    llm = LLM(a.model, dtype=a.dtype, max_model_len=a.max_model_len, speculative_config=a.speculative_config,
-              **engine_kwargs(a))
+    llm = LLM(a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
+              speculative_config=a.speculative_config, **engine_kwargs(a))
     lm = llm.loaded
     name = a.served_model_name or default_name(lm.path)
     print(f"[{lm.path.name}: {lm.format}, {lm.config.architecture}, context {llm.max_model_len}, "
@@ -103,6 +103,8 @@ def _serve_replicas(a: argparse.Namespace) -> int:
 
     if a.tensor_parallel_size > 1:
         raise NanoinferError("--replicas with --tensor-parallel-size is not supported yet: pick one")
+    if a.device != "cpu":
+        raise NanoinferError("--replicas runs CPU replicas only: drop --device or --replicas")
     name = a.served_model_name or (default_name(Path(a.model)) if a.model else "SmolLM2-135M-Instruct.Q4_1")
     server = dict(model_name=name, max_n=a.max_n, max_tokens_limit=a.max_tokens_limit,
                   max_request_bytes=a.max_request_bytes, max_prompts=a.max_prompts,
