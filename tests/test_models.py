@@ -143,7 +143,7 @@ def test_real_gemma3_gguf_against_transformers():
         assert ids == hf_tok(text)["input_ids"], text
         with torch.no_grad():
             ref = hf(torch.tensor([ids])).logits[0].float()
-            ours = llm.loaded.model(ForwardBatch.whole(torch.tensor(ids, device=next(llm.loaded.model.parameters()).device))).cpu()
+            ours = llm.loaded.model(ForwardBatch.whole(torch.tensor(ids))).cpu()
         torch.testing.assert_close(ours, ref, atol=2e-4, rtol=0)
         want = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
         got = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
