@@ -27,8 +27,8 @@
 // sign of a zero): per output of a 32-block type, 8 lanes each take one fused multiply-add
 // per block (lane j: d_w * d_x times the integer dot of the block's values 4j..4j+3), then
 // the lanes are summed in a fixed tree (hsum8), then (Q4_1, Q5_1) plus the chain of
-// m_w * s_x over the blocks; per output of a K-quant, one or two fused multiply-adds per
-// 256-block in block order; per output of F16/BF16, 16 lanes (k mod 16) of fused
+// m_w * s_x over the blocks; per output of a K-quant, 8 lanes (and 4 for the mins) each take
+// one fused multiply-add per 256-block, summed in fixed trees at the end (dotk_portable); per output of F16/BF16, 16 lanes (k mod 16) of fused
 // multiply-adds over k, then a fixed tree. Bias last.
 //
 // Work split: rows of W in chunks of 16 per thread (OpenMP, static), only when the matrix is
@@ -273,42 +273,45 @@ float dot32_portable(const uint8_t* w, int64_t nb, const int8_t* x, const float*
     return v;
 }
 
+// K-quants, per output: 8 float lanes, lane l taking values 4l..4l+3 of every 32 (the lanes of
+// the AVX2 integer sums); per 256-block each lane's exact integer sum, its sub-block scales
+// applied in integers (Q6_K: its -32 too), goes in with one fused multiply-add by d_w * d_x.
+// Q4_K and Q5_K add their mins in 4 more lanes (lane l: sub-blocks 2l and 2l + 1), one fused
+// multiply-add by -dmin_w * d_x per block. At the end the 8 lanes in hsum8's tree, plus the 4
+// in hsum4's. (Summing the lanes once per output, not once per block, is what lets a tile of
+// several x rows spend its time on the products.)
+inline float hsum4(const float* a) { return opaque(opaque(a[0] + a[2]) + opaque(a[1] + a[3])); }
+
 template <int T>
 float dotk_portable(const uint8_t* w, int64_t nb, const int8_t* x, const float* xd, const int16_t* bs) {
     constexpr int64_t size = T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
-    float acc = 0.f;
+    float acc[8] = {}, accm[4] = {};
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t* blk = w + b * size;
         uint8_t q[QK];
         decode256<T>(blk, q);
         const int8_t* xb = x + b * QK;
         const int16_t* sb = bs + b * 16;
+        int32_t lane[8] = {};
         if constexpr (T == Q6_K) {
             const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
-            int32_t sumi = 0, summ = 0;
-            for (int g = 0; g < 16; g++) {
-                int32_t p = 0;
-                for (int l = 0; l < 16; l++) p += int32_t(q[16 * g + l]) * xb[16 * g + l];
-                sumi += sc[g] * p;
-                summ += sc[g] * sb[g];
-            }
-            acc = madd(f16(rd16(blk + 208)) * xd[b], float(sumi - 32 * summ), acc);
+            for (int i = 0; i < QK; i++) lane[(i % 32) / 4] += sc[i / 16] * int32_t(q[i]) * xb[i];
+            for (int l = 0; l < 8; l++) lane[l] += -32 * (sc[2 * l] * sb[2 * l] + sc[2 * l + 1] * sb[2 * l + 1]);
+            const float s = f16(rd16(blk + 208)) * xd[b];
+            for (int l = 0; l < 8; l++) acc[l] = madd(s, float(lane[l]), acc[l]);
         } else {
             uint8_t sc[8], mn[8];
             kscales(blk + 4, sc, mn);
-            int32_t sumi = 0, summ = 0;
-            for (int j = 0; j < 8; j++) {
-                int32_t p = 0;
-                for (int l = 0; l < 32; l++) p += int32_t(q[32 * j + l]) * xb[32 * j + l];
-                sumi += sc[j] * p;
-                summ += mn[j] * sb[j];
-            }
+            for (int i = 0; i < QK; i++) lane[(i % 32) / 4] += sc[i / 32] * int32_t(q[i]) * xb[i];
             const float dx = xd[b];
-            acc = madd(f16(rd16(blk)) * dx, float(sumi), acc);
-            acc = madd(-(f16(rd16(blk + 2)) * dx), float(summ), acc);
+            const float s = f16(rd16(blk)) * dx, sm = -(f16(rd16(blk + 2)) * dx);
+            for (int l = 0; l < 8; l++) acc[l] = madd(s, float(lane[l]), acc[l]);
+            for (int l = 0; l < 4; l++) accm[l] = madd(sm, float(mn[2 * l] * sb[2 * l] + mn[2 * l + 1] * sb[2 * l + 1]), accm[l]);
         }
     }
-    return acc;
+    float v = hsum8(acc);
+    if constexpr (T != Q6_K) v = opaque(v + hsum4(accm));
+    return v;
 }
 
 template <bool BF>
@@ -353,11 +356,12 @@ QG_AVX2 inline float hsum8_avx2(__m256 v) {
     return opaque(_mm_cvtss_f32(s));
 }
 
-QG_AVX2 inline int32_t hsum_i32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-    return _mm_cvtsi128_si32(s);
+// hsum4's tree: (a0 + a2) + (a1 + a3).
+QG_AVX2 inline float hsum4_avx2(__m128 s) {
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    asm("" : "+x"(s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return opaque(_mm_cvtss_f32(s));
 }
 
 QG_AVX2 inline float f16_avx2(const uint8_t* p) { return _cvtsh_ss(rd16(p)); }
@@ -480,14 +484,8 @@ alignas(16) const uint8_t kPairShuffle[8][16] = {
 #undef QG_PAIR
 };
 
-QG_AVX2 inline int32_t hsum_i32x4(__m128i s) {
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-    return _mm_cvtsi128_si32(s);
-}
-
-// K-quants: per 256-block the exact integer sums (scales applied in integers), then one or
-// two fused multiply-adds per output, as dotk_portable.
+// K-quants: per 256-block the exact integer sums of each lane (scales applied in integers),
+// then one fused multiply-add per lane (and one for the 4 min lanes), as dotk_portable.
 template <int T, int R, bool PF>
 QG_AVX2 void tilek_avx2(const Ctx& c, int64_t n, int64_t m0) {
     constexpr int64_t S = T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
@@ -495,12 +493,14 @@ QG_AVX2 void tilek_avx2(const Ctx& c, int64_t n, int64_t m0) {
     const int8_t* xq[R];
     const float* xd[R];
     const int16_t* xb[R];
-    float acc[R];
+    __m256 acc[R];
+    __m128 accm[R];
     for (int i = 0; i < R; i++) {
         xq[i] = c.q + (m0 + i) * c.K;
         xd[i] = c.d + (m0 + i) * c.nb;
         xb[i] = c.bs + (m0 + i) * c.nb * 16;
-        acc[i] = 0.f;
+        acc[i] = _mm256_setzero_ps();
+        accm[i] = _mm_setzero_ps();
     }
     const __m256i low = _mm256_set1_epi8(15);
     for (int64_t b = 0; b < c.nb; b++) {
@@ -536,8 +536,8 @@ QG_AVX2 void tilek_avx2(const Ctx& c, int64_t n, int64_t m0) {
             const float d = f16_avx2(blk + 208);
             for (int i = 0; i < R; i++) {
                 const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb[i] + b * 16));
-                const int32_t sumi = hsum_i32(_mm256_add_epi32(isum[i], _mm256_madd_epi16(sums, sc32)));
-                acc[i] = std::fma(d * xd[i][b], float(sumi), acc[i]);
+                const __m256i t = _mm256_add_epi32(isum[i], _mm256_madd_epi16(sums, sc32));
+                acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[i][b]), _mm256_cvtepi32_ps(t), acc[i]);
             }
         } else {
             // the scales one by one (as a broadcast each: measured faster than shuffling them out
@@ -568,14 +568,17 @@ QG_AVX2 void tilek_avx2(const Ctx& c, int64_t n, int64_t m0) {
             const float d = f16_avx2(blk), dmin = f16_avx2(blk + 2);
             for (int i = 0; i < R; i++) {
                 const __m128i sums = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xb[i] + b * 16));
-                const int32_t summ = hsum_i32x4(_mm_madd_epi16(mn16, sums));
                 const float dx = xd[i][b];
-                acc[i] = std::fma(d * dx, float(hsum_i32(isum[i])), acc[i]);
-                acc[i] = std::fma(-(dmin * dx), float(summ), acc[i]);
+                acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(isum[i]), acc[i]);
+                accm[i] = _mm_fmadd_ps(_mm_set1_ps(-(dmin * dx)), _mm_cvtepi32_ps(_mm_madd_epi16(mn16, sums)), accm[i]);
             }
         }
     }
-    for (int i = 0; i < R; i++) c.y[(m0 + i) * c.ldy + n] = c.bias ? acc[i] + c.bias[n] : acc[i];
+    for (int i = 0; i < R; i++) {
+        float v = hsum8_avx2(acc[i]);
+        if constexpr (T != Q6_K) v = opaque(v + hsum4_avx2(accm[i]));
+        c.y[(m0 + i) * c.ldy + n] = c.bias ? v + c.bias[n] : v;
+    }
 }
 
 template <bool BF>
