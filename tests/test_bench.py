@@ -437,7 +437,7 @@ def test_bench_latency_speculative(make_hf_model, capsys):
     _, path = make_hf_model("llama")
     doc, out = run_bench(capsys, ["latency", "--model", str(path), "--decode-len", "24", "--runs", "2",
                                   "--speculative", "draft_model", "--speculative-config",
-                                  json.dumps({"model": str(path), "num_speculative_tokens": 3})])
+                                  json.dumps({"model": str(path), "num_speculative_tokens": 3, "verify_cost": 0.0})])
     res = doc["speculative"]
     assert set(res["tasks"]) == {"code-edit", "doc-quote", "free"} and res["config"]["method"] == "draft_model"
     for r in res["tasks"].values():
@@ -457,6 +457,7 @@ def test_bench_throughput_reports_speculation(make_hf_model, capsys):
     _, path = make_hf_model("llama")
     doc, _ = run_bench(capsys, ["throughput", "--model", str(path), "-n", "2", "--min-input-len", "8",
                                 "--max-input-len", "12", "--min-output-len", "8", "--max-output-len", "12",
-                                "--speculative-config", json.dumps({"method": "draft_model", "model": str(path)})])
+                                "--speculative-config",
+                                json.dumps({"method": "draft_model", "model": str(path), "verify_cost": 0.0})])
     r = doc["results"]["nanoinfer"]
     assert r["spec_proposed_tokens"] > 0 and r["spec_acceptance_rate"] == 1.0 and r["spec_mean_accepted_tokens"] > 1

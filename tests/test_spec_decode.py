@@ -43,7 +43,7 @@ def spec_config(method: str, make_hf_model) -> dict:
     if method == "ngram":
         return NGRAM
     draft = make_hf_model("llama")[1] if method == "draft_self" else make_hf_model("llama", tie=True)[1]
-    return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3, "min_hit_rate": 0.0}
+    return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3, "verify_cost": 0.0}
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
@@ -90,8 +90,9 @@ def test_default_model_drafting_for_itself(default_gguf):
     prompt = [{"role": "user", "content": "Name three colours."}]
     params = SamplingParams(temperature=0, max_tokens=40, logprobs=1)
     base = LLM(default_gguf).chat(prompt, params)[0].outputs[0]
+    # verify_cost 0: guesses always asked for (a draft as big as its target never pays for itself)
     spec = LLM(default_gguf, speculative_config={"method": "draft_model", "model": str(default_gguf),
-                                                 "num_speculative_tokens": 4})
+                                                 "num_speculative_tokens": 4, "verify_cost": 0.0})
     result = spec.chat(prompt, params)[0]
     out = result.outputs[0]
     assert out.token_ids == base.token_ids
@@ -118,7 +119,8 @@ def test_metrics_endpoint_reports_speculation(llama_dir):
 
     from server_utils import run_server
 
-    config = json.dumps({"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 3})
+    config = json.dumps({"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 3,
+                         "verify_cost": 0.0})  # a draft as big as its target: guesses asked for anyway
     with run_server(["--model", str(llama_dir), "--speculative-config", config, "--log-level", "warning"]) as url:
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "a b c", "max_tokens": 24, "temperature": 0,
                                                        "ignore_eos": True}, timeout=60)
@@ -166,7 +168,7 @@ def test_sampled_distribution_is_the_targets(llama_dir):
     T, N = 0.5, 1500
     prompt = [41, 42, 43, 41, 42, 43, 41, 42, 43, 41, 42]
     llm = LLM(llama_dir, max_num_seqs=256, max_num_batched_tokens=2048,
-              speculative_config={**NGRAM, "disable_by_batch_size": 10 ** 6, "min_hit_rate": 0.0})
+              speculative_config={**NGRAM, "disable_by_batch_size": 10 ** 6, "verify_cost": 0.0})
 
     class Guess43:  # every decoding row guesses 43 for its next token, whatever came before
         def propose_many(self, requests):
@@ -282,7 +284,24 @@ def test_tool_calls_under_speculation():
         return out.token_ids, out.token_masks, engine
 
     base_ids, base_mask, _ = run(None)
-    ids, mask, engine = run({**NGRAM, "min_hit_rate": 0.0})
+    ids, mask, engine = run({**NGRAM, "verify_cost": 0.0})
     assert (ids, mask) == (base_ids, base_mask)
     assert base_mask.count(0) >= 9  # at least three calls answered: <|output_start|> 5 <|output_end|>
     assert engine.spec_accepted > 10
+
+
+def test_guesses_checked_follow_their_worth():
+    """No guess pays while a guess is accepted less often than it costs; more guesses pay as the
+    acceptance rate nears 1; a free check takes them all."""
+    from nanoinfer.spec_decode import updated_accept_rate, worth_checking
+
+    assert worth_checking(0.4, 8, 0.45) == 0
+    assert worth_checking(0.5, 8, 0.45) == 1
+    ks = [worth_checking(a / 100, 8, 0.45) for a in range(0, 101, 5)]
+    assert ks == sorted(ks) and ks[-1] == 8 and 2 <= worth_checking(0.9, 8, 0.45) < 8
+    assert worth_checking(0.0, 5, 0.0) == 5
+    assert worth_checking(0.99, 8, 0.45) > worth_checking(0.99, 8, 0.9)  # a dearer guess: fewer of them
+    # 2 of 3 accepted then one rejected: 2 of the 3 it reached; all 3 accepted: 3 of 3
+    assert updated_accept_rate(1.0, 2, 3) == 0.7 + 0.3 * 2 / 3
+    assert updated_accept_rate(0.5, 3, 3) == 0.7 * 0.5 + 0.3
+    assert updated_accept_rate(0.5, 0, 0) == 0.5

@@ -25,7 +25,7 @@ from ..errors import InvalidRequestError, RequestFailedError
 from ..kernels.quant_linear import has_block_weights
 from ..models.builder import LoadedModel
 from ..sampling import RowSampler, SamplingParams
-from ..spec_decode import NgramProposer, Proposer, SpeculativeConfig
+from ..spec_decode import NgramProposer, Proposer, SpeculativeConfig, updated_accept_rate, worth_checking
 from ..structured import StructuredOutputs
 from ..tokenizer import IncrementalDetokenizer, StopMatcher
 from ..tools.tool_use import ToolUseState, bind_tools
@@ -296,30 +296,35 @@ class LLMEngine:
 
     def _propose(self) -> None:
         """Proposed next tokens for each decoding sequence, unless the batch is large enough
-        that the step is compute-bound (SpeculativeConfig.disable_by_batch_size) or the
-        sequence's recent guesses mostly missed (min_hit_rate, retried every retry_after
-        steps). Not with forks pending, nor for a JSON row whose budget rule may act within the
-        guesses. A row under a grammar keeps the guesses its grammar allows, and each verified
-        position is masked with the grammar's state after the guesses before it."""
+        that the step is compute-bound (SpeculativeConfig.disable_by_batch_size). Each
+        sequence asks for as many as pay for their check at its running acceptance rate
+        (spec_decode.worth_checking); one that asks for none tries one guess every
+        retry_after steps. Not with forks pending, nor for a JSON row whose budget rule may
+        act within the guesses. A row under a grammar keeps the guesses its grammar allows,
+        and each verified position is masked with the grammar's state after the guesses
+        before it."""
         running = self.scheduler.running
         self.proposer.retain({(s.request_id, s.index) for s in running})
         decoding = [s for s in running if s.num_computed == s.length - 1]
         if len(decoding) >= self.spec.disable_by_batch_size:
             return
-        asking = []
-        k = self.spec.num_speculative_tokens
+        asking: list[tuple[Sequence, int]] = []
+        # verify_cost 0: checks are taken as free, every sequence always asks for all its guesses
+        cost = self.spec.verify_cost + self.proposer.guess_cost if self.spec.verify_cost else 0.0
         for seq in decoding:
             if seq.forks or seq.finished:
                 continue
+            k = worth_checking(seq.spec_accept_rate, self.spec.num_speculative_tokens, cost)
+            if k == 0:
+                seq.spec_idle_steps += 1
+                if seq.spec_idle_steps < self.spec.retry_after:
+                    continue  # its guesses have been missing: checking them costs more than they save
+                k = 1
             if seq.grammar is not None and not seq.grammar.budget_rule_idle(seq.tokens_left - k - 1):
                 continue  # near its budget a JSON row may be closing: its masks are the budget rule's
-            seq.spec_idle_steps += 1
-            if seq.spec_hit_rate < self.spec.min_hit_rate and seq.spec_idle_steps < self.spec.retry_after:
-                continue  # its guesses have been missing: checking them costs more than they save
-            asking.append(seq)
-        guesses = self.proposer.propose_many([((s.request_id, s.index), s.all_ids, min(k, s.tokens_left - 1))
-                                              for s in asking])
-        for seq, spec in zip(asking, guesses):
+            asking.append((seq, min(k, seq.tokens_left - 1)))
+        guesses = self.proposer.propose_many([((s.request_id, s.index), s.all_ids, k) for s, k in asking])
+        for (seq, _), spec in zip(asking, guesses):
             if seq.grammar is not None:  # guesses the grammar forbids could never be accepted
                 seq.spec_states = seq.grammar.states_after(spec)
                 spec = spec[:len(seq.spec_states)]
@@ -334,16 +339,19 @@ class LLMEngine:
         way): a proposed token is accepted exactly when it equals the token sampled at its
         position. The first mismatch (or the bonus row after all k) gives the last token."""
         spec, start = seq.spec_tokens, seq.num_computed
-        deltas, matched = [], 0
+        deltas, matched, rejected = [], 0, False
         for j, row in enumerate(rows):
             delta = self._sample(seq, logits[row], argmax[row])
             deltas.append(delta)
             if seq.finished or len(delta.token_ids) > 1:  # ended, or a tool forced tokens in
                 break
-            if j == len(spec) or delta.token_ids[0] != spec[j]:
+            if j == len(spec):
+                break
+            if delta.token_ids[0] != spec[j]:
+                rejected = True
                 break
             matched += 1
-        seq.spec_hit_rate = 0.7 * seq.spec_hit_rate + 0.3 * matched / len(spec)
+        seq.spec_accept_rate = updated_accept_rate(seq.spec_accept_rate, matched, matched + rejected)
         seq.spec_tokens, seq.spec_states = [], []
         self.spec_accepted += matched
         self.spec_checks += 1

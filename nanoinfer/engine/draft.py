@@ -10,6 +10,7 @@ model through the engine's own runner and block manager, as the target does."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -41,6 +42,13 @@ class DraftSequence:
         return self.tokens[start:end]
 
 
+def stored_bytes(path: Path) -> int:
+    """The size of a model's weights on disk: a GGUF file, or a folder's weight files."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.iterdir() if f.suffix in (".safetensors", ".pt", ".bin", ".gguf"))
+
+
 def same_vocabulary(a, b) -> bool:
     return a.vocab_size == b.vocab_size and all(a.id_to_token(i) == b.id_to_token(i) for i in range(a.vocab_size))
 
@@ -64,6 +72,8 @@ class DraftModelProposer:
         if hasattr(draft.model, "set_context"):
             draft.model.set_context(self.max_len)
         self.seqs: dict[SeqKey, DraftSequence] = {}
+        # a guess is one forward of the draft, which at decode sizes costs what reading its weights does
+        self.guess_cost = stored_bytes(draft.path) / max(1, stored_bytes(target.path))
 
     def retain(self, keys: set[SeqKey]) -> None:
         """Forget the draft sequences of target sequences that are no longer running."""

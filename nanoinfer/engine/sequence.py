@@ -146,8 +146,8 @@ class Sequence:
     grammar: Constraint | None = None  # its structured-output constraint, advanced token by token
     spec_tokens: list[int] = field(default_factory=list)  # proposed next tokens, checked in this step's forward
     spec_states: list[Constraint] = field(default_factory=list)  # under a grammar: its state after each of them
-    spec_hit_rate: float = 1.0  # running share of its proposed tokens that were accepted
-    spec_idle_steps: int = 0  # steps since it last speculated
+    spec_accept_rate: float = 1.0  # running chance that a guess is accepted (spec_decode.policy)
+    spec_idle_steps: int = 0  # steps without guesses since it chose none
     output_ids: list[int] = field(default_factory=list)
     output_mask: list[int] = field(default_factory=list)
     text: str = ""

@@ -21,10 +21,14 @@ class SpeculativeConfig:
     # speculative_disable_by_batch_size): a batch that large keeps the CPU busy computing, so
     # checking guesses costs more than the weight reads it saves.
     disable_by_batch_size: int = 4
-    # A sequence speculates while the running share of its guesses that were accepted stays at
-    # least this (checking k guesses costs a step about 1 + k/2 plain ones on a CPU, so below
-    # ~1/2 guessing loses), and tries again every `retry_after` steps.
-    min_hit_rate: float = 0.5
+    # Checking k guesses makes a step cost about 1 + verify_cost * k single-token steps (on a
+    # 2-core AVX2 CPU, Qwen2.5-Coder 1.5B Q4_K_M: 4 rows of a Q4_K GEMV take ~2.3x one, the
+    # whole step less). Each step a sequence has as many guesses checked as pay for
+    # themselves at its running acceptance rate (spec_decode/policy.py), up to
+    # num_speculative_tokens (a draft model's guesses add their own cost); verify_cost 0:
+    # always all of them. A sequence that stopped guessing tries one guess again every
+    # `retry_after` steps.
+    verify_cost: float = 0.45
     retry_after: int = 16
 
     @classmethod
@@ -49,9 +53,10 @@ class SpeculativeConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidRequestError(f"speculative_config {name}={value!r} must be an integer >= 1",
                                           param=f"speculative_config.{name}")
-        if not isinstance(self.min_hit_rate, (int, float)) or not 0.0 <= self.min_hit_rate <= 1.0:
-            raise InvalidRequestError(f"speculative_config min_hit_rate={self.min_hit_rate!r} must be in [0, 1]",
-                                      param="speculative_config.min_hit_rate")
+        if not isinstance(self.verify_cost, (int, float)) or isinstance(self.verify_cost, bool) \
+                or not 0.0 <= self.verify_cost <= 16.0:
+            raise InvalidRequestError(f"speculative_config verify_cost={self.verify_cost!r} must be in [0, 16]",
+                                      param="speculative_config.verify_cost")
         if (self.method == "draft_model") != (self.model is not None):
             raise InvalidRequestError("speculative_config model: a path with method draft_model, none otherwise",
                                       param="speculative_config.model")

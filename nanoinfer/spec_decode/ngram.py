@@ -11,6 +11,8 @@ from .proposer import SeqKey
 
 
 class NgramProposer:
+    guess_cost = 0.0  # a lookup in the sequence's own tokens
+
     def __init__(self, config: SpeculativeConfig):
         self.k = config.num_speculative_tokens
         self.n_max, self.n_min = config.prompt_lookup_max, config.prompt_lookup_min

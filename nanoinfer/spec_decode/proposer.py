@@ -8,6 +8,8 @@ SeqKey = tuple[str, int]
 
 
 class Proposer(Protocol):
+    guess_cost: float  # what one guess costs to make, in single-token steps of the target (n-gram lookup: 0)
+
     def propose_many(self, requests: list[tuple[SeqKey, list[int], int]]) -> list[list[int]]:
         """For each (key, the sequence's tokens, k): up to k guesses of the tokens that follow."""
         ...
