@@ -9,7 +9,8 @@ import torch
 
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.errors import InvalidRequestError
-from nanoinfer.spec_decode import NgramProposer, SpeculativeConfig
+from nanoinfer.spec_decode import NgramProposer, SpeculativeConfig, StepTimes
+from nanoinfer.spec_decode.ngram import word_classes
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
@@ -35,6 +36,33 @@ def test_proposer_finds_the_latest_match():
     assert p.propose([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]) == [7, 5, 1]  # the later of two matches
     assert p.propose([4, 5, 6]) == []
     assert p.propose([8, 1, 8], k=2) == [1, 8]
+
+
+def test_proposer_prefers_the_match_with_the_longest_context():
+    p = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=2, prompt_lookup_min=2))
+    # [1, 2] follows [5, 6] the first time, as it does at the end: that place wins over the later one
+    assert p.propose([5, 6, 1, 2, 7, 9, 1, 2, 8, 5, 6, 1, 2]) == [7, 9, 1]
+
+
+TEXTS = ["x", "\n", "b", " b", " c", " d", " e", "y", "b\n", "\ufffd", "\ufffd"]
+
+
+def test_word_classes():
+    cls = word_classes(TEXTS)
+    assert cls[1] == -1  # whitespace only
+    assert cls[2] == cls[3] == cls[8] >= 0  # "b", " b", "b\n"
+    assert len({cls[0], cls[2], cls[4], cls[9], cls[10]}) == 5  # partial characters are never alike
+
+
+def test_proposer_matches_words_across_whitespace():
+    p = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=2), TEXTS)
+    source = [0, 1, 2, 4, 5, 6, 7]  # "x\nb c d e y"
+    assert p.propose(source + [0, 3, 4]) == [5, 6, 7]  # "x b c": the line break became a space
+    assert NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=2)) \
+        .propose(source + [0, 3, 4]) == []  # token ids alone lose the place
+    # ending in whitespace already: the source's own whitespace is not proposed again
+    assert p.propose([0, 4, 1, 2, 5] + [0, 4, 1]) == [2, 5, 0]
+    assert p.propose([0, 4, 8, 5] + [0, 4]) == [8, 5, 0]
 
 
 def spec_config(method: str, make_hf_model) -> dict:
@@ -144,17 +172,30 @@ def test_bad_config_is_a_clear_error(llama_dir):
         LLM(llama_dir, speculative_config={"method": "draft_model", "model": "/nonexistent/draft"})
 
 
+class FixedStepTimes(StepTimes):
+    """Step times set by the test (the tiny model's real ones are all overhead, and noisy)."""
+
+    def observe(self, rows: int, seconds: float) -> None:
+        pass
+
+
 def test_a_sequence_whose_guesses_miss_stops_guessing(llama_dir):
-    """Sampled at temperature 1 the random model rarely picks the looked-up token: after a
-    few misses the sequence guesses again only every retry_after steps."""
-    llm = LLM(llama_dir, speculative_config={**NGRAM, "retry_after": 16})
-    motif = [7, 8, 9, 10]
-    out = llm.generate({"prompt_token_ids": motif * 8},
-                       SamplingParams(temperature=1.0, seed=3, max_tokens=64, ignore_eos=True))[0]
-    e = llm.engine
-    assert len(out.outputs[0].token_ids) == 64
-    assert 0 < e.spec_proposed <= 4 * (3 + 64 // 16)  # a few early tries, then one every 16 steps
-    assert e.spec_accepted < e.spec_proposed / 2
+    """Sampled at temperature 1 the random model rarely picks the looked-up token: where a row
+    costs 0.45 of a step, after a few misses the sequence guesses again only every
+    retry_after steps; where rows are nearly free, it goes on guessing for longer."""
+    proposed = {}
+    for extra_row_cost in (0.45, 0.01):
+        llm = LLM(llama_dir, speculative_config={**NGRAM, "retry_after": 16})
+        e = llm.engine
+        e.step_times = FixedStepTimes({rows: 1.0 + extra_row_cost * (rows - 1) for rows in range(1, 10)})
+        motif = [7, 8, 9, 10]
+        out = llm.generate({"prompt_token_ids": motif * 8},
+                           SamplingParams(temperature=1.0, seed=3, max_tokens=64, ignore_eos=True))[0]
+        assert len(out.outputs[0].token_ids) == 64
+        assert e.spec_accepted < e.spec_proposed / 2
+        proposed[extra_row_cost] = e.spec_proposed
+    assert 0 < proposed[0.45] <= 4 * (3 + 64 // 16)  # a few early tries, then one every 16 steps
+    assert proposed[0.01] > 2 * proposed[0.45]
 
 
 def test_sampled_distribution_is_the_targets(llama_dir):
@@ -292,15 +333,28 @@ def test_tool_calls_under_speculation():
 
 def test_guesses_checked_follow_their_worth():
     """No guess pays while a guess is accepted less often than it costs; more guesses pay as the
-    acceptance rate nears 1; a free check takes them all."""
+    acceptance rate nears 1; cheap checks pay sooner."""
     from nanoinfer.spec_decode import updated_accept_rate, worth_checking
 
-    assert worth_checking(0.4, 8, 0.45) == 0
-    assert worth_checking(0.5, 8, 0.45) == 1
-    ks = [worth_checking(a / 100, 8, 0.45) for a in range(0, 101, 5)]
-    assert ks == sorted(ks) and ks[-1] == 8 and 2 <= worth_checking(0.9, 8, 0.45) < 8
-    assert worth_checking(0.0, 5, 0.0) == 5
-    assert worth_checking(0.99, 8, 0.45) > worth_checking(0.99, 8, 0.9)  # a dearer guess: fewer of them
+    linear = [1 + 0.45 * k for k in range(9)]
+    assert worth_checking(0.4, linear) == 0
+    assert worth_checking(0.5, linear) == 1
+    ks = [worth_checking(a / 100, linear) for a in range(0, 101, 5)]
+    assert ks == sorted(ks) and ks[-1] == 8 and 2 <= worth_checking(0.9, linear) < 8
+    assert worth_checking(0.99, linear) > worth_checking(0.99, [1 + 0.9 * k for k in range(9)])  # dearer: fewer
+    cheap = [1.0, 1.05, 1.1, 1.15]  # nearly free checks (a step bound by its weight reads)
+    assert worth_checking(0.5, cheap) == 3 and worth_checking(0.3, cheap) == 2 and worth_checking(0.3, linear) == 0
+    # measured: 2 rows cost 1.2 times 1 row; 3 and 4 rows are not measured yet and take the prior
+    times = StepTimes()
+    times.observe(1, 0.050)
+    times.observe(2, 0.060)
+    times.observe(1, 0.060)  # a running mean: 0.8 * 0.050 + 0.2 * 0.060
+    assert times.seconds[1] == 0.8 * 0.050 + 0.2 * 0.060
+    costs = times.step_costs(1, 3, 0.45, 0.0)
+    assert costs[0] == 1.0 and costs[1] == 0.060 / times.seconds[1] and costs[2:] == [1.9, 1 + 0.45 * 3]
+    assert times.step_costs(1, 1, 0.45, 0.3) == [1.0, 0.060 / times.seconds[1] + 0.3]  # a draft's own forward
+    times.observe(3, 0.040)  # noise below the base: never cheaper than no guesses
+    assert times.step_costs(1, 2, 0.45, 0.0)[2] == 1.0
     # 2 of 3 accepted then one rejected: 2 of the 3 it reached; all 3 accepted: 3 of 3
     assert updated_accept_rate(1.0, 2, 3) == 0.7 + 0.3 * 2 / 3
     assert updated_accept_rate(0.5, 3, 3) == 0.7 * 0.5 + 0.3

@@ -34,13 +34,13 @@ def tasks() -> dict[str, tuple[str, str, str]]:
     """name -> (text before the material, the material, text after it)."""
     from .. import sampling
     from ..engine import core, kv_manager, scheduler
-    from ..spec_decode import ngram
+    from ..spec_decode import proposer
 
-    code = inspect.getsource(ngram)
+    code = inspect.getsource(proposer)
     document = "\n\n".join(inspect.getdoc(m) or "" for m in (core, kv_manager, scheduler, sampling))
     return {
-        "code-edit": ("Rewrite this Python file, renaming the method `propose` to `suggest`. Output only the code."
-                      "\n\n", code, ""),
+        "code-edit": ("Rewrite this Python file, renaming the method `propose_many` to `guess_many`. "
+                      "Output only the code.\n\n", code, ""),
         "doc-quote": ("", document, "\n\nQuote, word for word, the paragraph of the text above that explains how "
                                     "blocks are reference counted."),
         "free": ("Write a short story about a dragon who learns to bake bread.", "", ""),

@@ -25,7 +25,7 @@ from ..errors import InvalidRequestError, RequestFailedError
 from ..kernels.quant_linear import has_block_weights
 from ..models.builder import LoadedModel
 from ..sampling import RowSampler, SamplingParams
-from ..spec_decode import NgramProposer, Proposer, SpeculativeConfig, updated_accept_rate, worth_checking
+from ..spec_decode import NgramProposer, Proposer, SpeculativeConfig, StepTimes, updated_accept_rate, worth_checking
 from ..structured import StructuredOutputs
 from ..tokenizer import IncrementalDetokenizer, StopMatcher
 from ..tools.tool_use import ToolUseState, bind_tools
@@ -132,10 +132,13 @@ class LLMEngine:
         self.spec = SpeculativeConfig.of(config.speculative_config)
         self.proposer: Proposer | None = None
         if self.spec is not None and self.spec.method == "ngram":
-            self.proposer = NgramProposer(self.spec)
+            tok = self.tokenizer  # each token's text: the lookup matches words, not whitespace (spec_decode/ngram.py)
+            self.proposer = NgramProposer(self.spec, [tok.decode([i], skip_special_tokens=False)
+                                                      for i in range(tok.vocab_size)])
         elif self.spec is not None:
             self.proposer = DraftModelProposer(self.spec, loaded, num_blocks, config.block_size, self.max_model_len,
                                                self.kv_dtype)
+        self.step_times = StepTimes()  # decode steps' times by rows: what checking guesses costs here
         self.spec_proposed = self.spec_accepted = 0  # proposed and accepted tokens, for metrics
         self.spec_checks = 0  # sequence-steps that checked guesses
         self.requests: dict[str, list[Sequence]] = {}
@@ -238,6 +241,8 @@ class LLMEngine:
         # any device. The copy also waits for the device, so `seconds` is the real step time.
         logits = logits.cpu()
         seconds = time.perf_counter() - t0
+        if self.proposer is not None and all(n == 1 + len(seq.spec_tokens) for seq, n in zip(batch.seqs, batch.num_tokens)):
+            self.step_times.observe(batch.total_tokens, seconds)  # decode rows only
         self.last_step_tokens = batch.total_tokens
         self.total_steps += 1
         self.total_step_tokens += batch.total_tokens
@@ -297,9 +302,9 @@ class LLMEngine:
     def _propose(self) -> None:
         """Proposed next tokens for each decoding sequence, unless the batch is large enough
         that the step is compute-bound (SpeculativeConfig.disable_by_batch_size). Each
-        sequence asks for as many as pay for their check at its running acceptance rate
-        (spec_decode.worth_checking); one that asks for none tries one guess every
-        retry_after steps. Not with forks pending, nor for a JSON row whose budget rule may
+        sequence asks for as many as pay for their check at its running acceptance rate and
+        the step times measured so far (spec_decode.policy); one that asks for none tries one
+        guess every retry_after steps, one that asks for some all of them. Not with forks pending, nor for a JSON row whose budget rule may
         act within the guesses. A row under a grammar keeps the guesses its grammar allows,
         and each verified position is masked with the grammar's state after the guesses
         before it."""
@@ -308,13 +313,21 @@ class LLMEngine:
         decoding = [s for s in running if s.num_computed == s.length - 1]
         if len(decoding) >= self.spec.disable_by_batch_size:
             return
+        k_max = self.spec.num_speculative_tokens
+        costs = None  # verify_cost 0: checks taken as free, every sequence always asks for all its guesses
+        if not self.spec.verify_cost:
+            pass
+        elif len(decoding) not in self.step_times.seconds:
+            return  # a step without guesses first: what they add is measured against it
+        else:
+            costs = self.step_times.step_costs(len(decoding), k_max, self.spec.verify_cost, self.proposer.guess_cost)
         asking: list[tuple[Sequence, int]] = []
-        # verify_cost 0: checks are taken as free, every sequence always asks for all its guesses
-        cost = self.spec.verify_cost + self.proposer.guess_cost if self.spec.verify_cost else 0.0
         for seq in decoding:
             if seq.forks or seq.finished:
                 continue
-            k = worth_checking(seq.spec_accept_rate, self.spec.num_speculative_tokens, cost)
+            k = k_max if costs is None else worth_checking(seq.spec_accept_rate, costs)
+            if 0 < k < k_max and self.total_steps % self.spec.retry_after == 0:
+                k = k_max  # now and then the longest check, so that its time stays measured, not one noisy figure
             if k == 0:
                 seq.spec_idle_steps += 1
                 if seq.spec_idle_steps < self.spec.retry_after:

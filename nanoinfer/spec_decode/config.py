@@ -21,12 +21,12 @@ class SpeculativeConfig:
     # speculative_disable_by_batch_size): a batch that large keeps the CPU busy computing, so
     # checking guesses costs more than the weight reads it saves.
     disable_by_batch_size: int = 4
-    # Checking k guesses makes a step cost about 1 + verify_cost * k single-token steps (on a
-    # 2-core AVX2 CPU, Qwen2.5-Coder 1.5B Q4_K_M: 4 rows of a Q4_K GEMV take ~2.3x one, the
-    # whole step less). Each step a sequence has as many guesses checked as pay for
-    # themselves at its running acceptance rate (spec_decode/policy.py), up to
-    # num_speculative_tokens (a draft model's guesses add their own cost); verify_cost 0:
-    # always all of them. A sequence that stopped guessing tries one guess again every
+    # What checking guesses costs is measured (spec_decode/policy.py: decode steps' times by
+    # row count); until a row count is measured, a step with k guesses is taken to cost
+    # 1 + verify_cost * k single-token steps (0.45: 4 rows of Q4_K blocks on a 2-core AVX2
+    # CPU). Each step a sequence has as many guesses checked as pay for themselves at its
+    # running acceptance rate, up to num_speculative_tokens; verify_cost 0: always all of
+    # them, unmeasured. A sequence that stopped guessing tries one guess again every
     # `retry_after` steps.
     verify_cost: float = 0.45
     retry_after: int = 16

@@ -484,6 +484,15 @@ alignas(16) const uint8_t kPairShuffle[8][16] = {
 #undef QG_PAIR
 };
 
+// vpshufb patterns: Q4_K's and Q5_K's int16 scale j (bytes 2j, 2j + 1) in every lane.
+alignas(32) const uint8_t kScaleShuffle[8][32] = {
+#define QG_SCALE(j) 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, \
+    2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1
+    {QG_SCALE(0), QG_SCALE(0)}, {QG_SCALE(1), QG_SCALE(1)}, {QG_SCALE(2), QG_SCALE(2)}, {QG_SCALE(3), QG_SCALE(3)},
+    {QG_SCALE(4), QG_SCALE(4)}, {QG_SCALE(5), QG_SCALE(5)}, {QG_SCALE(6), QG_SCALE(6)}, {QG_SCALE(7), QG_SCALE(7)},
+#undef QG_SCALE
+};
+
 // K-quants: per 256-block the exact integer sums of each lane (scales applied in integers),
 // then one fused multiply-add per lane (and one for the 4 min lanes), as dotk_portable.
 template <int T, int R, bool PF>
@@ -540,37 +549,45 @@ QG_AVX2 void tilek_avx2(const Ctx& c, int64_t n, int64_t m0) {
                 acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[i][b]), _mm256_cvtepi32_ps(t), acc[i]);
             }
         } else {
-            // the scales one by one (as a broadcast each: measured faster than shuffling them out
-            // of one vector), the mins 4 at a time (kscales' unpacking on 32-bit words)
-            uint8_t sc[8], mn[8];
-            kscales(blk + 4, sc, mn);
+            // the 8 scales and 8 mins as int16 in one vector (kscales' unpacking on 32-bit
+            // words); sub-block j's scale is picked out of it with one vpshufb
             uint32_t u[3];
             std::memcpy(u, blk + 4, 12);
             const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
-            const __m128i mn16 = _mm_cvtepu8_epi16(
-                _mm_setr_epi32(int32_t(u[1] & m6), int32_t(((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4)), 0, 0));
+            const __m256i sm16 = _mm256_cvtepu8_epi16(
+                _mm_setr_epi32(int32_t(u[0] & m6), int32_t((u[2] & m4) | (((u[0] >> 6) & m2) << 4)), int32_t(u[1] & m6),
+                               int32_t(((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4))));
+            const __m256i sc16 = _mm256_permute2x128_si256(sm16, sm16, 0x00);
+            const __m128i mn16 = _mm256_extracti128_si256(sm16, 1);
             const uint8_t* qs = blk + (T == Q5_K ? 48 : 16);
             __m256i hb = _mm256_setzero_si256();
             if constexpr (T == Q5_K) hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
-            for (int j = 0; j < 8; j++) {
-                const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (j / 2)));
-                __m256i wv = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(v, 4) : v, low);
-                if constexpr (T == Q5_K) {  // bit j of each qh byte: bit 0 after j shifts, moved to bit 4
-                    wv = _mm256_or_si256(wv, _mm256_and_si256(_mm256_slli_epi16(hb, 4), _mm256_set1_epi8(16)));
-                    hb = _mm256_srli_epi16(hb, 1);
-                }
-                const __m256i scv = _mm256_set1_epi16(sc[j]);
-                for (int i = 0; i < R; i++) {
-                    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[i] + b * QK + 32 * j));
-                    isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), scv));
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+                for (int h = 0; h < 2; h++) {
+                    const int j = 2 * c + h;
+                    __m256i wv = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, low);
+                    if constexpr (T == Q5_K) {  // bit j of each qh byte: bit 0 after j shifts, moved to bit 4
+                        wv = _mm256_or_si256(wv, _mm256_and_si256(_mm256_slli_epi16(hb, 4), _mm256_set1_epi8(16)));
+                        hb = _mm256_srli_epi16(hb, 1);
+                    }
+                    const __m256i scv = _mm256_shuffle_epi8(
+                        sc16, _mm256_load_si256(reinterpret_cast<const __m256i*>(kScaleShuffle[j])));
+                    for (int i = 0; i < R; i++) {
+                        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[i] + b * QK + 32 * j));
+                        isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), scv));
+                    }
                 }
             }
-            const float d = f16_avx2(blk), dmin = f16_avx2(blk + 2);
+            // d and dmin converted together; -(dmin * dx) is (-dmin) * dx exactly
+            const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(int32_t(rd32(blk))));
+            const __m256 dv = _mm256_broadcastss_ps(dd);
+            const __m128 ndmin = _mm_xor_ps(_mm_permute_ps(dd, 0x55), _mm_set1_ps(-0.0f));
             for (int i = 0; i < R; i++) {
                 const __m128i sums = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xb[i] + b * 16));
-                const float dx = xd[i][b];
-                acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(isum[i]), acc[i]);
-                accm[i] = _mm_fmadd_ps(_mm_set1_ps(-(dmin * dx)), _mm_cvtepi32_ps(_mm_madd_epi16(mn16, sums)), accm[i]);
+                const __m128 dx = _mm_broadcast_ss(xd[i] + b);
+                acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(dv, _mm256_set_m128(dx, dx)), _mm256_cvtepi32_ps(isum[i]), acc[i]);
+                accm[i] = _mm_fmadd_ps(_mm_mul_ps(ndmin, dx), _mm_cvtepi32_ps(_mm_madd_epi16(mn16, sums)), accm[i]);
             }
         }
     }
