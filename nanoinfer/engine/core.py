@@ -304,10 +304,10 @@ class LLMEngine:
         that the step is compute-bound (SpeculativeConfig.disable_by_batch_size). Each
         sequence asks for as many as pay for their check at its running acceptance rate and
         the step times measured so far (spec_decode.policy); one that asks for none tries one
-        guess every retry_after steps, one that asks for some all of them. Not with forks pending, nor for a JSON row whose budget rule may
-        act within the guesses. A row under a grammar keeps the guesses its grammar allows,
-        and each verified position is masked with the grammar's state after the guesses
-        before it."""
+        guess every retry_after steps, one that asks for some all of them. Not with forks
+        pending, nor for a JSON row whose budget rule may act within the guesses. A row under
+        a grammar keeps the guesses its grammar allows, and each verified position is masked
+        with the grammar's state after the guesses before it."""
         running = self.scheduler.running
         self.proposer.retain({(s.request_id, s.index) for s in running})
         decoding = [s for s in running if s.num_computed == s.length - 1]
