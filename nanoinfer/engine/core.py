@@ -315,11 +315,9 @@ class LLMEngine:
             return
         k_max = self.spec.num_speculative_tokens
         costs = None  # verify_cost 0: checks taken as free, every sequence always asks for all its guesses
-        if not self.spec.verify_cost:
-            pass
-        elif len(decoding) not in self.step_times.seconds:
-            return  # a step without guesses first: what they add is measured against it
-        else:
+        if self.spec.verify_cost:
+            if len(decoding) not in self.step_times.seconds:
+                return  # a step without guesses first: what they add is measured against it
             costs = self.step_times.step_costs(len(decoding), k_max, self.spec.verify_cost, self.proposer.guess_cost)
         asking: list[tuple[Sequence, int]] = []
         for seq in decoding:
