@@ -75,10 +75,7 @@ class NgramProposer:
         if k <= 0 or len(tokens) <= self.n_min:
             return []
         arr = np.asarray(tokens, dtype=np.int64)
-        if self.classes is None:
-            end = _best_match_end(arr, self.n_max, self.n_min)
-            return [] if end is None else arr[end:end + k].tolist()
-        cls = self._classes(arr)
+        cls = arr if self.classes is None else self._classes(arr)  # without texts: the ids themselves
         where = np.flatnonzero(cls >= 0)  # the tokens compared: whitespace-only ones left out
         end = _best_match_end(cls[where], self.n_max, self.n_min)
         if end is None:
