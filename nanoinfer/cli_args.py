@@ -107,6 +107,10 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: int | str = 64,
                        help="the KV cache's dtype (default auto: bfloat16 for GGUF weights run in their blocks on the "
                             "CPU, else the model's dtype)")
         g.add_argument("--no-prefix-caching", action="store_true", help="turn off prefix caching")
+    g.add_argument("--structured-outputs-config", type=json_object, default=None, metavar="JSON",
+                   help='limits on a request\'s structured-output constraint, e.g. \'{"mask_budget_seconds": 0.2, '
+                        '"compile_seconds": 10, "max_rules": 5000, "max_schema_depth": 1000}\' '
+                        '(default: those; see docs/serving.md)')
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
@@ -114,7 +118,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                 kv_cache_memory=a.kv_cache_memory, kv_cache_dtype=a.kv_cache_dtype,
                 enable_prefix_caching=not a.no_prefix_caching,
-                tensor_parallel_size=getattr(a, "tensor_parallel_size", 1))
+                tensor_parallel_size=getattr(a, "tensor_parallel_size", 1),
+                constraint_limits=a.structured_outputs_config)
 
 
 # --- sampling ----------------------------------------------------------------------------

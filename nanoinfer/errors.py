@@ -17,9 +17,22 @@ class InvalidRequestError(NanoinferError, ValueError):
     `param` names the request field at fault where the check knows it (SamplingParams'
     field names; the server maps them onto its own, e.g. max_tokens -> max_completion_tokens)."""
 
-    def __init__(self, message: str, param: str | None = None):
+    code: str | None = None  # OpenAI's error.code ("context_length_exceeded", ...), where one applies
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.param = param
+        if code is not None:
+            self.code = code
+
+
+class ConstraintError(InvalidRequestError):
+    """A request's structured-output constraint is past a limit (size, rules, nesting, compile
+    time, the time its masks take) or failed while generating (its grammar engine hit a limit or
+    allows nothing). The request's own doing: a 400 before anything was sent, an error event in
+    its stream after; it ends that request alone. `code` names the limit."""
+
+    code = "invalid_constraint"
 
 
 class RequestFailedError(NanoinferError):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -144,6 +146,71 @@ def test_gguf_string_length_beyond_the_file(tmp_path):
     path = _raw_gguf(tmp_path / "s.gguf", b"x", struct.pack("<IQ", 8, 2**62) + b"abc")
     with fails_fast(ModelLoadError, "corrupt"):
         read_gguf_metadata(path)
+
+
+def _tensor_infos(path: Path) -> dict[str, tuple[int, int, int]]:
+    """Each tensor's (byte position of its type id, of its offset, the offset) in the file's header."""
+    reader = gguf.GGUFReader(path)
+    out = {}
+    for t in reader.tensors:
+        f = t.field
+        type_pos = f.offset + sum(int(p.nbytes) for p in f.parts[:4])
+        out[t.name] = (type_pos, type_pos + 4, int(f.parts[5][0]))
+    return out
+
+
+def _patch(path: Path, pos: int, fmt: str, value: int) -> None:
+    data = bytearray(path.read_bytes())
+    struct.pack_into(fmt, data, pos, value)
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture
+def q4_1_gguf(make_hf_model, tiny_tokenizer_dir, tmp_path) -> Path:
+    model, _ = make_hf_model("llama")
+    return write_gguf_from_hf(model, tiny_tokenizer_dir, tmp_path / "q41.gguf", tensor_type="Q4_1")
+
+
+def test_gguf_tensor_offset_off_the_alignment(q4_1_gguf):
+    infos = _tensor_infos(q4_1_gguf)
+    name = list(infos)[3]
+    _, offset_pos, offset = infos[name]
+    _patch(q4_1_gguf, offset_pos, "<Q", offset + 1)
+    with fails_fast(ModelLoadError, f"tensor '{name}' has offset {offset + 1}, expected {offset}"):
+        load_model(q4_1_gguf)
+
+
+def test_gguf_two_tensors_at_one_offset(q4_1_gguf):
+    infos = _tensor_infos(q4_1_gguf)
+    first, second = list(infos)[1:3]
+    _patch(q4_1_gguf, infos[second][1], "<Q", infos[first][2])
+    with fails_fast(ModelLoadError, f"tensor '{second}' has offset {infos[first][2]}, expected {infos[second][2]}"):
+        load_model(q4_1_gguf)
+
+
+@pytest.mark.parametrize("which", ["first", "last", "all"])
+def test_gguf_q4_1_retyped_as_q4_0(which, q4_1_gguf):
+    """Q4_0 blocks are 18 bytes, Q4_1's 20: a retyped tensor no longer fills its place in the file."""
+    infos = _tensor_infos(q4_1_gguf)
+    retyped = [n for n, t in zip(infos, gguf.GGUFReader(q4_1_gguf).tensors)
+               if t.tensor_type == gguf.GGMLQuantizationType.Q4_1]
+    assert len(retyped) > 2
+    chosen = {"first": retyped[:1], "last": retyped[-1:], "all": retyped}[which]
+    for name in chosen:
+        _patch(q4_1_gguf, infos[name][0], "<I", int(gguf.GGMLQuantizationType.Q4_0))
+    with fails_fast(ModelLoadError, "(has offset .*, expected|bytes follow its .* Q4_0 data)"):
+        load_model(q4_1_gguf)
+
+
+def test_gguf_layout_error_is_one_cli_line(q4_1_gguf):
+    infos = _tensor_infos(q4_1_gguf)
+    name = list(infos)[2]
+    _patch(q4_1_gguf, infos[name][1], "<Q", infos[name][2] + 32)
+    proc = subprocess.run([sys.executable, "-m", "nanoinfer", "generate", "hi", "--model", str(q4_1_gguf)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("error: corrupt or truncated GGUF file") and proc.stderr.count("\n") == 1
+    assert f"tensor '{name}' has offset" in proc.stderr and "Traceback" not in proc.stderr
 
 
 # ------------------------------------------------------------------------------------ HF

@@ -21,12 +21,12 @@ import torch
 from ..attention import PagedKVCache
 from ..distributed.executor import TensorParallelExecutor, WorkerSetup
 from ..distributed.sharding import rank_config
-from ..errors import InvalidRequestError, RequestFailedError
+from ..errors import InvalidRequestError, NanoinferError, RequestFailedError
 from ..kernels.quant_linear import has_block_weights
 from ..models.builder import LoadedModel
 from ..sampling import RowSampler, SamplingParams
 from ..spec_decode import NgramProposer, Proposer, SpeculativeConfig, StepTimes, updated_accept_rate, worth_checking
-from ..structured import StructuredOutputs
+from ..structured import ConstraintLimits, StructuredOutputs
 from ..tokenizer import IncrementalDetokenizer, StopMatcher
 from ..tools.tool_use import ToolUseState, bind_tools
 from .draft import DraftModelProposer
@@ -47,6 +47,7 @@ class EngineConfig:
     enable_tools: bool = True  # run tools (the calculator) when the vocabulary has their marker tokens
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES: "auto" is kv_cache_dtype()'s rule
     speculative_config: SpeculativeConfig | dict | None = None  # vLLM's: {"method": "ngram", ...}
+    constraint_limits: ConstraintLimits | dict | None = None  # structured outputs' limits (None: the defaults)
     # >1: the model split over this many processes (distributed/): the model must have been
     # loaded as rank 0's share (LLM does this); the engine starts the other ranks.
     tensor_parallel_size: int = 1
@@ -128,7 +129,7 @@ class LLMEngine:
                                             self.kv_dtype, self.max_model_len))
         self.runner = ModelRunner(self.model, rank_mc, self.cache, self.executor)
         self.tools = bind_tools(self.tokenizer) if config.enable_tools else []
-        self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size)
+        self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size, ConstraintLimits.of(config.constraint_limits))
         self.spec = SpeculativeConfig.of(config.speculative_config)
         self.proposer: Proposer | None = None
         if self.spec is not None and self.spec.method == "ngram":
@@ -142,7 +143,7 @@ class LLMEngine:
         self.spec_proposed = self.spec_accepted = 0  # proposed and accepted tokens, for metrics
         self.spec_checks = 0  # sequence-steps that checked guesses
         self.requests: dict[str, list[Sequence]] = {}
-        self.failures: dict[str, RequestFailedError] = {}  # requests ended by an internal error, until taken
+        self.failures: dict[str, NanoinferError] = {}  # requests ended alone by an error, until taken
         self.last_step_tokens = 0
         self.total_steps = 0
         self.total_step_tokens = 0
@@ -261,9 +262,10 @@ class LLMEngine:
             if seq.grammar is not None:
                 constrained.append((row, seq.spec_states[j - 1] if j else seq.grammar, seq.tokens_left - j))
         if constrained:
-            for row in self.structured.apply_masks(logits, constrained):
-                self._fail(batch.seqs[samplers[row]].request_id,
-                           RuntimeError("the structured-output constraint allows no next token"))
+            for row, error in self.structured.apply_masks(logits, constrained).items():
+                rid = batch.seqs[samplers[row]].request_id
+                if rid not in self.failures:
+                    self._fail(rid, error)
         # One reduction for every plain greedy row, in numpy: torch's CPU argmax over a 49k
         # vocabulary takes ~65 us a row, numpy's ~7 (both: the first maximum, a NaN first).
         argmax = (logits.numpy().argmax(-1).tolist() if any(batch.seqs[i].sampler.takes_argmax for i in samplers)
@@ -374,15 +376,22 @@ class LLMEngine:
         return deltas
 
     def _fail(self, request_id: str, error: Exception) -> None:
-        logger.error("request %s failed", request_id, exc_info=error)
+        """End a request alone. Its own doing (an InvalidRequestError: its constraint failed) is
+        passed on as it is, logged in one line; anything else is an internal error (logged with
+        its traceback) and becomes a RequestFailedError."""
         for seq in self.requests[request_id]:
             if not seq.finished:
                 seq.abort()
             self.scheduler.finish(seq)
+        if isinstance(error, InvalidRequestError):
+            logger.warning("request %s ended: %s", request_id, error)
+            self.failures[request_id] = error
+            return
+        logger.error("request %s failed", request_id, exc_info=error)
         self.failures[request_id] = RequestFailedError(
             f"internal error in request {request_id}: {type(error).__name__}: {' '.join(str(error).split())}"[:500])
 
-    def take_failures(self) -> dict[str, RequestFailedError]:
+    def take_failures(self) -> dict[str, NanoinferError]:
         """Requests that an internal error ended since the last call (their caller gets the error)."""
         failures, self.failures = self.failures, {}
         return failures

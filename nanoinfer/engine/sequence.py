@@ -5,6 +5,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
+from ..errors import ConstraintError
 from ..sampling import Logprob, RowSampler, SamplingParams
 from ..structured import Constraint
 from ..tokenizer import IncrementalDetokenizer, StopMatcher
@@ -221,6 +222,9 @@ class Sequence:
         self.output_ids.append(token)
         self.output_mask.append(mask)
         if self.grammar is not None and not self.grammar.accept(token):
+            why = self.grammar.error()
+            if why is not None:  # the grammar engine gave up (a limit): the constraint's doing
+                raise ConstraintError(f"the structured-output constraint failed: {why}", code="constraint_failed")
             raise RuntimeError(f"token {token} breaks the request's structured-output constraint")
         p = self.params
         text = ""

@@ -223,6 +223,7 @@ def _parse_tensor_infos(cur: _Cursor, count: int, meta: dict[str, Any], size: in
         raise _Corrupt(f"bad general.alignment {alignment!r}")
     data_start = -(-cur.pos // alignment) * alignment
     tensors = []
+    expected = 0  # llama.cpp's layout rule: each tensor starts where the previous one ends, padded
     for name, dims, type_id, offset in raw:
         try:
             qtype = GGMLQuantizationType(type_id)
@@ -232,10 +233,22 @@ def _parse_tensor_infos(cur: _Cursor, count: int, meta: dict[str, Any], size: in
         if dims and dims[0] % block_size:
             raise _Corrupt(f"tensor {name!r}: row of {dims[0]} is not a multiple of the {qtype.name} block")
         nbytes = math.prod(dims) // block_size * type_size
+        # The contiguity rule is what catches a tensor whose type or shape was altered: its size
+        # changes, so the next tensor no longer starts where this one ends.
+        if offset != expected:
+            raise _Corrupt(f"tensor {name!r} has offset {offset}, expected {expected} (the previous tensor's end "
+                           f"padded to general.alignment {alignment}): tensors overlap, leave gaps or changed size")
         start = data_start + offset
         if start + nbytes > size:
             raise _Corrupt(f"tensor {name!r} ends past the end of the file (truncated?)")
+        expected = offset + -(-nbytes // alignment) * alignment
         tensors.append(_TensorInfo(name, qtype, tuple(reversed(dims)), start, nbytes))
+    # Writers end the file with the last tensor (and its padding); more bytes after it mean the
+    # last tensor's declared size is short of what was written (a retyped or reshaped last tensor).
+    if tensors and size - (data_start + expected) >= alignment:
+        last = tensors[-1]
+        raise _Corrupt(f"tensor {last.name!r} is the last, but {size - last.offset - last.nbytes} bytes follow its "
+                       f"{last.nbytes} bytes of {last.qtype.name} data: its type or shape does not match the file")
     return tensors
 
 

@@ -55,9 +55,14 @@ class StructuredOutputsParams:
                     value = json.loads(value)
                 except ValueError as e:
                     raise InvalidRequestError(f"the JSON schema is not valid JSON: {e}", param=param) from None
+                except RecursionError:
+                    raise InvalidRequestError("the JSON schema is nested too deeply", param=param) from None
             if not isinstance(value, (dict, bool)):
                 raise InvalidRequestError("the JSON schema must be an object", param=param)
-            text = json.dumps(value, sort_keys=True)
+            try:
+                text = json.dumps(value, sort_keys=True)
+            except RecursionError:
+                raise InvalidRequestError("the JSON schema is nested too deeply", param=param) from None
             self.json = value
         elif kind == "json_object":
             if value is not True:

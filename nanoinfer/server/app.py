@@ -46,6 +46,7 @@ from .serving import ClientGone, ServerConfig, Serving, as_api_error
 logger = logging.getLogger("nanoinfer.server")
 STATIC = Path(__file__).parent / "static"
 _DRAIN_LIMIT = 64 << 20  # an oversized body is read (and dropped) up to this, so the 413 reaches the client
+_PARSE_INLINE_BYTES = 64 << 10  # bodies up to this are parsed on the event loop (well under a millisecond)
 _ABORT_GRACE = 3.0  # seconds aborted requests get to send their last chunks before uvicorn cancels them
 
 
@@ -106,6 +107,7 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        await asyncio.to_thread(engine.structured.warm_up)  # before serving: it holds the GIL a while
         async_engine.start()
         logger.info("engine thread started: model %s, context %d", config.model_name, engine.max_model_len)
         try:
@@ -136,7 +138,10 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         return JSONResponse(error.body(), status_code=error.status)
 
     async def body(request: Request, model):
-        return parse_request(model, await read_body(request, config.max_request_bytes))
+        raw = await read_body(request, config.max_request_bytes)
+        if len(raw) > _PARSE_INLINE_BYTES:  # linear, but a megabyte still takes milliseconds: not on the loop
+            return await asyncio.to_thread(parse_request, model, raw)
+        return parse_request(model, raw)
 
     def respond(result):
         return SSEResponse(result) if not isinstance(result, dict) else JSONResponse(result)

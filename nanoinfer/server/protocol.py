@@ -4,17 +4,19 @@ Requests are pydantic models in strict mode: a number where a string belongs (or
 number belongs, or true where an integer belongs) is refused, not coerced. Fields this server
 does not know are ignored, as OpenAI's own SDK sends a few. Ranges (temperature, top_p, ...)
 are checked once, by SamplingParams, and its error names the field. A body nested deeper than
-MAX_JSON_DEPTH, or with a lone UTF-16 surrogate in a string, is refused before it is parsed.
+MAX_JSON_DEPTH, or with a lone UTF-16 surrogate in a string, is refused by name. Parsing is
+linear in the body's size whatever the body holds (a hostile one must not cost more than a
+large honest one).
 """
 from __future__ import annotations
 
 import json
 import re
-from itertools import accumulate
 from types import UnionType
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, PlainValidator, ValidationError
+from pydantic_core import PydanticCustomError
 
 MAX_JSON_DEPTH = 128  # nesting levels of a request body (serde_json's limit); deeper is a 400
 
@@ -23,12 +25,12 @@ class APIError(Exception):
     """An error that becomes an HTTP response: {"error": {message, type, param, code}}."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 type: str = "invalid_request_error"):
+                 type: str = "invalid_request_error", code: str | None = None):
         super().__init__(message)
-        self.message, self.param, self.status, self.type = message, param, status, type
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": None}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 class Strict(BaseModel):
@@ -70,8 +72,19 @@ class SamplingFields(Strict):
     user: Any = None  # accepted and ignored
 
 
+def _prompt(value: Any) -> Any:
+    """str | list[str] | list[int] | list[list[int]], checked in Python: pydantic's union spent
+    0.3 s on a megabyte of token ids holding the GIL (every stream of the server waited)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and (all(type(x) is int for x in value) or all(type(x) is str for x in value)
+                                    or all(type(x) is list and all(type(y) is int for y in x) for x in value)):
+        return value
+    raise PydanticCustomError("wrong_type", "wrong type (expected one of: str, list[str], list[int], list[list[int]])")
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Annotated[Any, PlainValidator(_prompt)]
     logprobs: int | None = None
     echo: bool = False
     parse_special: bool = True  # special-token text in the prompt ("<|fim_prefix|>") becomes the token
@@ -171,11 +184,9 @@ def _param(loc: tuple) -> tuple[str | None, list[str]]:
     return "".join(parts) or None, tags
 
 
-_JSON_STRING = r'"[^"\\]*(?:\\.[^"\\]*)*"'
-_JSON_TOKEN = re.compile(_JSON_STRING + r"|[\[\]{},:]")  # strings whole, so brackets in them do not count
-_STRINGS, _NOT_BRACKETS = re.compile(_JSON_STRING), re.compile(r"[^\[\]{}]+")
-_DEPTH_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_STRING_AT = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')  # one JSON string, matched where it starts (linear)
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # the only way a surrogate gets into valid UTF-8 JSON
 
 
 def _field_path(model: type[BaseModel], path: list) -> str | None:
@@ -198,54 +209,87 @@ def _field_path(model: type[BaseModel], path: list) -> str | None:
     return "".join(parts) or None
 
 
-def _check_json(model: type[BaseModel], text: str) -> None:
-    """Refuse what json.loads would choke on, or accept but nothing after it could use: nesting
-    deeper than MAX_JSON_DEPTH (a RecursionError) and a lone UTF-16 surrogate escape ("\\ud800":
-    no UTF-8 encoding, so no tokenizer takes it). A fast look first; only a suspect body is walked
-    token by token to name the field."""
-    brackets = _NOT_BRACKETS.sub("", _STRINGS.sub("", text))
-    deep = len(brackets) > MAX_JSON_DEPTH and max(accumulate(map(_DEPTH_STEP.__getitem__, brackets))) > MAX_JSON_DEPTH
-    if not deep and not _SURROGATE_ESCAPE.search(text):
-        return
-    path: list = []  # the key or index within each open container
+def _too_deep(model: type[BaseModel], path: list) -> APIError:
+    param = _field_path(model, path)
+    return APIError(f"{param or 'the request body'}: nested more than {MAX_JSON_DEPTH} levels deep", param)
+
+
+def _check_value(model: type[BaseModel], data: Any) -> None:
+    """Refuse what parsed but nothing after it could use: nesting deeper than MAX_JSON_DEPTH, and
+    a lone UTF-16 surrogate ("\\ud800": no UTF-8 encoding, so no tokenizer takes it). One
+    iterative walk over the parsed value: linear in its size, whatever its shape (a path is a
+    chain of (parent, key) links, spelled out only for the error)."""
+
+    def spelled(link) -> list:
+        keys = []
+        while link is not None:
+            link, key = link
+            keys.append(key)
+        return keys[::-1]
+
+    stack: list[tuple[Any, Any, int]] = [(data, None, 0)]  # (value, its path link, its depth)
+    while stack:
+        value, link, depth = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                param = _field_path(model, spelled(link))
+                raise APIError(f"{param or 'the request body'}: a lone UTF-16 surrogate (\\ud800-\\udfff) "
+                               "is not valid Unicode", param)
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            raise _too_deep(model, spelled(link))
+        for key, item in (value.items() if isinstance(value, dict) else enumerate(value)):
+            if isinstance(key, str) and _SURROGATE.search(key):
+                stack.append((key, link, depth))
+            if isinstance(item, (str, dict, list)):
+                stack.append((item, (link, key), depth + 1))
+
+
+def _deep_path(text: str) -> list:
+    """The path to the first container nested deeper than MAX_JSON_DEPTH, read from the text
+    (for a body too deep for json.loads to parse): one linear scan, strings skipped whole."""
+    path: list = []
     last_string = None
-    for m in _JSON_TOKEN.finditer(text):
-        t = m.group()
-        if t in ("[", "{"):
+    pos, end = 0, len(text)
+    while pos < end:
+        c = text[pos]
+        if c == '"':
+            m = _STRING_AT.match(text, pos)
+            if m is None:
+                break  # an unterminated string: nothing further to read
+            last_string = m.group()[1:-1]
+            pos = m.end()
+            continue
+        if c in "[{":
             if len(path) >= MAX_JSON_DEPTH:
-                param = _field_path(model, path)
-                raise APIError(f"{param or 'the request body'}: nested more than {MAX_JSON_DEPTH} levels deep", param)
-            path.append(0 if t == "[" else None)
-        elif t in ("]", "}"):
+                break
+            path.append(0 if c == "[" else None)
+        elif c in "]}":
             if path:
                 path.pop()
-        elif t == ",":
+        elif c == ",":
             if path and isinstance(path[-1], int):
                 path[-1] += 1
-        elif t == ":":
-            if path:
-                path[-1] = last_string
-        else:
-            last_string = t[1:-1]
-            if _SURROGATE_ESCAPE.search(t):
-                try:
-                    json.loads(t).encode("utf-8")
-                except ValueError:  # UnicodeEncodeError is one
-                    param = _field_path(model, path)
-                    raise APIError(f"{param or 'the request body'}: a lone UTF-16 surrogate (\\ud800-\\udfff) "
-                                   "is not valid Unicode", param) from None
+        elif c == ":" and path:
+            path[-1] = last_string
+        pos += 1
+    return path
 
 
 def parse_request(model: type[Strict], body: bytes) -> Any:
-    """Body bytes -> a request model, or APIError(400) naming the first bad field."""
+    """Body bytes -> a request model, or APIError(400) naming the first bad field. Linear in the
+    body's size for any body (callers run large ones off the event loop)."""
     try:
         text = body.decode("utf-8")
-        _check_json(model, text)
         data = json.loads(text)
+    except RecursionError:  # deeper than the interpreter's recursion limit: far past ours
+        raise _too_deep(model, _deep_path(text)) from None
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(f"the request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise APIError("the request body must be a JSON object")
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH or _SURROGATE_ESCAPE.search(text):
+        _check_value(model, data)  # else neither can be there: no walk
     try:
         return model.model_validate(data, strict=True)
     except ValidationError as e:

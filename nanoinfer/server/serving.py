@@ -58,12 +58,21 @@ class Serving:
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
         self.tt = TokenText(self.tokenizer)
+        # No token spells more characters than this (+1: a SentencePiece token's space), so a
+        # text longer than max_model_len times it cannot fit, and is refused without tokenizing.
+        tok = self.tokenizer
+        self.max_token_chars = 1 + max(len(tok.decode([i], skip_special_tokens=False)) for i in range(tok.vocab_size))
 
     # --- shared checks ----------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.config.model_name:
             raise APIError(f"the model {name!r} does not exist; this server serves {self.config.model_name!r}",
                            "model", status=404)
+
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        if chars > self.max_model_len * self.max_token_chars:
+            raise APIError(f"the prompt is {chars} characters: at least {chars // self.max_token_chars} tokens, more "
+                           f"than the context window of {self.max_model_len}", param, code="context_length_exceeded")
 
     def validate_prompt(self, ids: list[int], param: str) -> None:
         try:
@@ -116,11 +125,11 @@ class Serving:
             await asyncio.to_thread(self.engine.engine.structured.compile, spec)
         except InvalidRequestError as e:  # named as the request carried it
             param = {"structured_outputs": e.param, "response_format": "response_format.json_schema.schema"}.get(field)
-            raise APIError(str(e), param or field) from None
+            raise APIError(str(e), param or field, code=e.code) from None
         return spec
 
     async def encode(self, fn, *args, **kwargs) -> list[int]:
-        text_len = sum(len(a) for a in args if isinstance(a, str))
+        text_len = sum(len(a) if isinstance(a, str) else _chat_chars(a) for a in args if isinstance(a, (str, list)))
         if text_len > LONG_TEXT:
             return await asyncio.to_thread(fn, *args, **kwargs)
         return fn(*args, **kwargs)
@@ -229,6 +238,7 @@ class Serving:
         out = []
         for p in prompt:
             if isinstance(p, str):
+                self.check_prompt_chars(len(p), "prompt")
                 out.append(Prompt(p, await self.encode(self.tokenizer.encode, p, parse_special=parse_special)))
             else:
                 out.append(Prompt(None, list(p)))
@@ -284,6 +294,7 @@ class Serving:
         if not req.messages:
             raise APIError("messages must be a non-empty list", "messages")
         messages = message_dicts(req.messages)
+        self.check_prompt_chars(_chat_chars(messages), "messages")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         choice = req.tool_choice
         if choice is not None and choice != "none" and not tools:
@@ -415,6 +426,10 @@ class Serving:
                      sum(len(c.token_ids) for o in outs for c in o.outputs))
 
 
+def _chat_chars(messages: list) -> int:
+    return sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
+
+
 async def wait_for_disconnect(request) -> None:
     """Return when the client disconnects. The body has been read, so the next ASGI message
     is http.disconnect; waiting for it costs nothing, unlike polling is_disconnected()."""
@@ -428,7 +443,7 @@ def as_api_error(e: Exception) -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(e, InvalidRequestError):
-        return APIError(str(e), e.param)
+        return APIError(str(e), e.param, code=e.code)
     if isinstance(e, RequestFailedError):
         return APIError(str(e), status=500, type="server_error")
     logger.error("internal error", exc_info=e)

@@ -6,6 +6,7 @@ constraint, hand each constrained sequence its matcher, mask a step's logits. Th
 engine behind it is llguidance (llguidance_backend.py), behind the small interface of
 backend.py."""
 from .backend import Compiled, GrammarBackend, Matcher
+from .limits import ConstraintLimits
 from .manager import Constraint, StructuredOutputs
 
-__all__ = ["Compiled", "Constraint", "GrammarBackend", "Matcher", "StructuredOutputs"]
+__all__ = ["Compiled", "Constraint", "ConstraintLimits", "GrammarBackend", "Matcher", "StructuredOutputs"]

@@ -5,7 +5,8 @@ the budget rule (budget.py) also checks single tokens on copies of a matcher.
 One implementation today (llguidance_backend.py); xgrammar would be another set of classes
 with the same members. Compiling is the slow part (milliseconds to seconds for a large
 schema), so callers compile before a request reaches the engine loop (`StructuredOutputs.compile`
-from the server's worker threads, or `LLM.generate` before its first step)."""
+from the server's worker threads, or `LLM.generate` before its first step); it runs on a thread
+of its own with a large stack and a time limit (workers.py), within limits.py's limits."""
 from __future__ import annotations
 
 from typing import Protocol
@@ -13,6 +14,7 @@ from typing import Protocol
 import numpy as np
 
 from ..sampling import StructuredOutputsParams
+from .limits import ConstraintLimits
 
 
 def allowed_tokens(words: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -33,6 +35,10 @@ class Matcher(Protocol):
 
     def is_terminated(self) -> bool:
         """The grammar is complete and allows nothing more: the output ends here."""
+        ...
+
+    def error(self) -> str | None:
+        """Why the matcher stopped working (a limit of the grammar engine hit, ...), or None."""
         ...
 
     def is_accepting(self) -> bool:
@@ -58,6 +64,11 @@ class Compiled(Protocol):
     def matcher(self) -> Matcher:
         ...
 
+    def first_mask(self, cpu_seconds: float) -> None:
+        """Compute the first mask; ConstraintError if the grammar engine fails at it or it takes
+        more than `cpu_seconds` of this thread's CPU time."""
+        ...
+
 
 class GrammarBackend(Protocol):
     name: str
@@ -66,7 +77,7 @@ class GrammarBackend(Protocol):
         """The text a token stands for, as the grammar engine reads it."""
         ...
 
-    def compile(self, spec: StructuredOutputsParams) -> Compiled:
-        """Raises InvalidRequestError (with the spec's field as param) for a constraint the
-        backend cannot handle."""
+    def compile(self, spec: StructuredOutputsParams, limits: ConstraintLimits) -> Compiled:
+        """Raises ConstraintError (with the spec's field as param) for a constraint the backend
+        cannot handle or that is past `limits`."""
         ...

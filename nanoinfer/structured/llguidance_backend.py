@@ -9,15 +9,17 @@ llguidance's own torch helpers are not used: its mask kernel is a torch.compile 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import llguidance
 import numpy as np
-from llguidance.gbnf_to_lark import any_to_lark
 
-from ..errors import InvalidRequestError
+from ..errors import ConstraintError
 from ..sampling import StructuredOutputsParams
+from .gbnf import GbnfError, gbnf_to_lark, is_lark
+from .limits import ConstraintLimits
 
 
 def make_tokenizer(source: tuple[str, Any], vocab_size: int, eos_ids: list[int]) -> llguidance.LLTokenizer:
@@ -45,11 +47,17 @@ def closed_objects(schema: Any) -> Any:
     return out
 
 
-def _grammar_text(spec: StructuredOutputsParams) -> str:
-    """The constraint in llguidance's grammar format."""
+def parser_limits(limits: ConstraintLimits) -> llguidance.LLParserLimits:
+    return llguidance.LLParserLimits(max_grammar_size=limits.max_grammar_symbols)
+
+
+def _grammar_text(spec: StructuredOutputsParams, limits: ConstraintLimits) -> str:
+    """The constraint in llguidance's grammar format, after the checks on its size."""
     kind = spec.kind
+    param = f"structured_outputs.{kind}"
     if kind in ("json", "json_object"):
         schema = spec.json if kind == "json" else {"type": "object"}
+        limits.check_schema(schema, param)
         if kind == "json" and spec.disable_additional_properties:
             schema = closed_objects(schema)
         options = ({"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
@@ -57,16 +65,25 @@ def _grammar_text(spec: StructuredOutputsParams) -> str:
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
         except ValueError as e:
-            raise InvalidRequestError(f"invalid JSON schema: {e}", param=f"structured_outputs.{kind}") from None
+            raise ConstraintError(f"invalid JSON schema: {e}", param) from None
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(spec.regex)
     if kind == "choice":  # Lark string literals take JSON's escapes
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
-    try:
-        text = any_to_lark(spec.grammar)  # GBNF (llama.cpp's) is converted; Lark passes through
-    except Exception as e:  # noqa: BLE001 - the converter raises plain exceptions for bad input
-        raise InvalidRequestError(f"invalid GBNF grammar: {e}", param="structured_outputs.grammar") from None
+    text = spec.grammar
+    if is_lark(text):
+        limits.check_lark(text, param)
+    else:  # GBNF (llama.cpp's) is converted
+        try:
+            text = gbnf_to_lark(text, limits.max_rules)
+        except GbnfError as e:
+            code = "constraint_too_large" if "rules" in str(e) else None
+            raise ConstraintError(f"invalid GBNF grammar: {e}", param, code=code) from None
     return llguidance.LLMatcher.grammar_from_lark(text)
+
+
+def _first_line(error: str) -> str:
+    return error.strip().splitlines()[0] if error.strip() else "error"
 
 
 class LLGuidanceMatcher:
@@ -84,6 +101,9 @@ class LLGuidanceMatcher:
     def is_terminated(self) -> bool:
         return self.m.is_stopped()
 
+    def error(self) -> str | None:
+        return _first_line(self.m.get_error()) if self.m.is_error() else None
+
     def is_accepting(self) -> bool:
         return self.m.is_accepting()
 
@@ -100,9 +120,26 @@ class LLGuidanceMatcher:
 @dataclass
 class LLGuidanceCompiled:
     template: llguidance.LLMatcher  # never advanced: each sequence gets a copy
+    kind: str
+    vocab_size: int
 
     def matcher(self) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(self.template.deep_copy())
+
+    def first_mask(self, cpu_seconds: float) -> None:
+        """Compute the first mask (on the template: what it builds, its copies find built), timed
+        on this thread's CPU clock, so that load elsewhere does not count against it."""
+        words = np.zeros((self.vocab_size + 31) // 32, dtype=np.uint32)
+        t0 = time.thread_time()
+        self.template.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        spent = time.thread_time() - t0
+        param = f"structured_outputs.{self.kind}"
+        if self.template.is_error():
+            raise ConstraintError(f"the {self.kind} constraint failed at its first token: "
+                                  f"{_first_line(self.template.get_error())}", param, code="constraint_failed")
+        if spent > cpu_seconds:
+            raise ConstraintError(f"the {self.kind} constraint's first mask took {spent * 1000:.0f} ms of CPU time; the "
+                                  f"budget is {cpu_seconds * 1000:.0f} ms", param, code="constraint_too_slow")
 
 
 class LLGuidanceBackend:
@@ -114,14 +151,12 @@ class LLGuidanceBackend:
     def token_bytes(self, token: int) -> bytes:
         return self.tokenizer.decode_bytes([token])
 
-    def compile(self, spec: StructuredOutputsParams) -> LLGuidanceCompiled:
-        grammar = _grammar_text(spec)
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
-        if error and not error.startswith("WARNING"):
-            raise InvalidRequestError(f"invalid {spec.kind} constraint: {error.strip()}",
-                                      param=f"structured_outputs.{spec.kind}")
-        m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+    def compile(self, spec: StructuredOutputsParams, limits: ConstraintLimits) -> LLGuidanceCompiled:
+        param = f"structured_outputs.{spec.kind}"
+        m = llguidance.LLMatcher(self.tokenizer, _grammar_text(spec, limits), log_level=0,
+                                 limits=parser_limits(limits))
         if m.is_error():
-            raise InvalidRequestError(f"invalid {spec.kind} constraint: {m.get_error()}",
-                                      param=f"structured_outputs.{spec.kind}")
-        return LLGuidanceCompiled(m)
+            error = _first_line(m.get_error())
+            code = "constraint_too_large" if "too big" in error or "too large" in error else None
+            raise ConstraintError(f"invalid {spec.kind} constraint: {error}", param, code=code)
+        return LLGuidanceCompiled(m, spec.kind, self.tokenizer.vocab_size)
