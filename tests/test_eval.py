@@ -165,8 +165,14 @@ def test_n_samples_share_one_prefill(long_reply_model, capsys, tmp_path):
         assert main(["eval", "humaneval", "--model", str(long_reply_model), "--limit", "3", "--num-samples", str(n),
                      "--temperature", "0.8", "--seed", "1", "--max-tokens", "8", "--no-prefix-caching",
                      "--output", str(out)]) == 0
-        summaries[n] = json.loads(capsys.readouterr().out.splitlines()[-1])
+        captured = capsys.readouterr()
+        summaries[n] = json.loads(captured.out.splitlines()[-1])
         assert len(out.read_text().splitlines()) == 3 * n
+        # the isolation the sandbox got, printed and in the summary (issue 25)
+        walls = summaries[n]["sandbox"]
+        assert set(walls) == {"network_isolated", "pid_isolated", "proc_isolated", "unprivileged", "filesystem_isolated"}
+        assert "[humaneval] sandbox: " + " ".join(f"{w}={v}" for w, v in walls.items()) in captured.err
+        assert ("WARNING: the sandbox runs" in captured.err) == (not all(walls.values()))
     one, ten = summaries[1], summaries[10]
     assert one["prompt_tokens"] == ten["prompt_tokens"] > 100
     assert one["prefill_tokens"] == ten["prefill_tokens"] == ten["prompt_tokens"]

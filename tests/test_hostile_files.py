@@ -361,3 +361,55 @@ def test_bounded_template_still_renders_large_chats(tiny_tokenizer_dir, tmp_path
     content = "word " * 400_000  # 2 MB of prompt
     text = tok.apply_chat_template([{"role": "user", "content": content}] * 2)
     assert text.count(content) == 2 and text.endswith("-" * 1000 + "   42   7    a    ")
+
+
+# ------------------------------------------------------------------------------------ memory limits
+# Before: the default pool was at least one full context and at most a quarter of MemAvailable,
+# mapped whole: under `prlimit --as=4GiB` the default model died with OSError ENOMEM and a
+# traceback, and a file declaring a 2e8-token context died the same way without any limit.
+
+def _cli(args: list[str], prefix: list[str] = ()) -> subprocess.CompletedProcess:
+    return subprocess.run([*prefix, sys.executable, "-m", "nanoinfer", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_default_model_runs_under_an_address_space_limit():
+    proc = _cli(["generate", "hi", "--max-tokens", "4", "--temperature", "0"], ["prlimit", f"--as={4 << 30}"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    # a window asked for that the limit leaves no room for: refused in one line
+    proc = _cli(["generate", "hi", "--max-tokens", "4", "--max-model-len", "8192"], ["prlimit", f"--as={2 << 30}"])
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    assert proc.stderr.startswith("error: ") and ("does not fit" in proc.stderr or "no room" in proc.stderr)
+    assert "address-space limit" in proc.stderr
+
+
+def test_a_context_that_does_not_fit_is_clamped_in_one_line(make_hf_model, tiny_tokenizer_dir, tmp_path, monkeypatch):
+    path = hostile_gguf(make_hf_model, tiny_tokenizer_dir, tmp_path / "m.gguf", monkeypatch,
+                        **{"llama.context_length": (200_000_000, V.UINT32)})
+    proc = _cli(["generate", "Hello", "--model", str(path), "--max-tokens", "4", "--ignore-eos", "--no-echo"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    notes = [line for line in proc.stderr.splitlines() if "context window clamped" in line]
+    assert len(notes) == 1 and "the model declares 200000000" in notes[0] and "Traceback" not in proc.stderr
+
+
+def test_memory_budget_reads_cgroup_limits(tmp_path):
+    from nanoinfer.engine.memory import cgroup_headroom
+
+    root = tmp_path / "cg"
+    (root / "app" / "worker").mkdir(parents=True)
+    (root / "app" / "memory.max").write_text("1073741824\n")  # 1 GiB on the parent
+    (root / "app" / "memory.current").write_text("268435456\n")
+    (root / "app" / "worker" / "memory.max").write_text("max\n")
+    (root / "app" / "worker" / "memory.current").write_text("1000\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/app/worker\n")
+    assert cgroup_headroom(root, proc) == (1 << 30) - (1 << 28)
+    v1 = tmp_path / "v1"
+    (v1 / "memory" / "box").mkdir(parents=True)
+    (v1 / "memory" / "box" / "memory.limit_in_bytes").write_text(str(512 << 20))
+    (v1 / "memory" / "box" / "memory.usage_in_bytes").write_text(str(12 << 20))
+    proc.write_text("5:cpu,cpuacct:/box\n4:memory:/box\n")
+    assert cgroup_headroom(v1, proc) == 500 << 20
+    proc.write_text("0::/\n")
+    assert cgroup_headroom(tmp_path / "none", proc) is None

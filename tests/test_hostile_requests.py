@@ -295,3 +295,112 @@ def test_hostile_bodies_are_answered_within_a_second_while_a_stream_keeps_its_ca
     gap = stream.longest_gap(t0)
     assert gap < 0.25, f"the stream waited {gap:.3f} s"
     still_serving(server)
+
+
+# --- clients that stop reading ----------------------------------------------------------------------
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"nanoinfer_{name} "))
+
+
+def test_clients_that_stop_reading_are_paused_then_aborted(long_reply_model):
+    """40 streams whose clients never read: each holds at most the bounded buffer (its request is
+    paused once 64 chunks wait), and after --client-read-timeout its request is aborted and its
+    KV freed. Before: all 40 kept generating (RSS +270 MB, still going after 120 s)."""
+    import socket
+
+    s = start_server(["--model", str(long_reply_model), "--kv-cache-memory", "64M", "--max-num-seqs", "48",
+                      "--client-read-timeout", "3", "--log-level", "warning"])
+    try:
+        host, port = s.url.removeprefix("http://").split(":")
+        rss0 = _rss_kib(s.proc.pid)
+        body = json.dumps({"prompt": "Hello", "max_tokens": 8000, "ignore_eos": True, "logprobs": 20,
+                           "stream": True}).encode()
+        request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                   f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+        sockets = []
+        for _ in range(40):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a reader that takes nothing
+            sock.connect((host, int(port)))
+            sock.sendall(request)
+            sockets.append(sock)
+        # A client that reads is served meanwhile, in full.
+        r = post(s.url, "/v1/completions", {"prompt": "Hi", "max_tokens": 50, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 50
+        # All 40 paused (nothing running), then aborted: no request left, every KV block back.
+        deadline = time.monotonic() + 60
+        peak = 0
+        while time.monotonic() < deadline:
+            peak = max(peak, _rss_kib(s.proc.pid))
+            if _metric(s.url, "num_requests_running") == 0 and _metric(s.url, "kv_cache_blocks_used") == 0:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"still running after 60 s: {s.output()[-2000:]}")
+        assert s.output().count("read nothing for 3 s") >= 40, s.output()[-2000:]
+        growth_mib = (peak - rss0) / 1024
+        assert growth_mib < 100, f"RSS grew {growth_mib:.0f} MiB"
+        for sock in sockets:  # the server closed each stalled stream's connection
+            sock.settimeout(10)
+            while sock.recv(1 << 16):
+                pass
+            sock.close()
+        still_serving(s)
+    finally:
+        s.stop()
+
+
+# --- memory stays bounded under mixed load ------------------------------------------------------------
+
+def test_blocks_used_before_are_handed_out_before_unused_ones():
+    """The KV pool's pages become resident as blocks are first written: the block manager reuses
+    freed blocks (evicting the least recently freed prefix) before it touches a new one, so the
+    blocks ever used stay at the most in use at once, not the pool's size. Before, every new
+    prompt took untouched blocks until the whole pool was resident."""
+    from nanoinfer.engine.kv_manager import BlockManager
+
+    blocks = BlockManager(num_blocks=1000, block_size=4)
+    ever_used: set[int] = set()
+    for i in range(200):  # 200 requests of 8 new tokens each, 3 at a time
+        tables = []
+        for j in range(3):
+            table: list[int] = []
+            blocks.allocate_prompt(table, [i * 100 + j * 10 + t for t in range(8)])
+            blocks.ensure_slots(table, 8)
+            blocks.seal_full_blocks(table, [i * 100 + j * 10 + t for t in range(8)], 8, [])
+            tables.append(table)
+            ever_used.update(table)
+        for table in tables:
+            blocks.free_table(table)
+    assert len(ever_used) == 6  # three requests of two blocks at a time
+    assert blocks.num_free == 1000
+    # a prefix still cached is found again (it was freed last: evicted last)
+    table: list[int] = []
+    assert blocks.allocate_prompt(table, [199 * 100 + 20 + t for t in range(8)] + [7]) == 8
+
+
+def test_rss_levels_off_under_a_mixed_soak(long_reply_model):
+    """A few hundred mixed requests (completions, chat, streams, n=3, logprobs, JSON and regex
+    constraints, 14% closed mid-prefill) with a 32 MiB KV pool: the server's RSS ends within the
+    pool and a stated margin of where it started, and stops growing in the second half."""
+    from nanoinfer.bench.soak import soak
+
+    s = start_server(["--model", str(long_reply_model), "--kv-cache-memory", "32M", "--log-level", "warning"])
+    try:
+        assert post(s.url, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2,
+                                                    "response_format": {"type": "json_object"}}).status_code == 200
+        result = soak(s.url, s.proc.pid, requests=300, concurrency=8, every=50, seed=1)
+        assert result.statuses.get("200", 0) + result.statuses.get("aborted", 0) == 300, result.statuses
+        rss = [kib / 1024 for _, kib in result.rss_kib]  # MiB, after 0, 50, ..., 300 requests
+        assert max(rss) - rss[0] <= 32 + 64, rss  # the pool, and 64 MiB for the runtime's caches
+        assert rss[-1] - rss[3] <= 16, rss  # the second half adds (almost) nothing
+        still_serving(s)
+    finally:
+        s.stop()

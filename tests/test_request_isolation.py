@@ -230,12 +230,15 @@ def test_failing_request_ends_alone_in_the_server(llama_dir, failing_seed):
 
 
 def test_default_kv_pool_follows_the_model_and_the_machine(llama_dir):
-    from nanoinfer.engine.core import default_kv_pool_bytes
+    from nanoinfer.engine.memory import MemoryBudget, default_kv_pool_bytes
 
     per_token, context = 1000, 2048
     assert default_kv_pool_bytes(per_token, context, 64, 1 << 40) == per_token * context * 64  # all fit
-    assert default_kv_pool_bytes(per_token, context, 64, 100 << 20) == 25 << 20  # a quarter of what is free
-    assert default_kv_pool_bytes(per_token, context, 64, 1 << 20) == per_token * context  # one full context
+    assert default_kv_pool_bytes(per_token, context, 64, 25 << 20) == 25 << 20  # the limit
+    assert MemoryBudget(100 << 30, None, None).pool_limit() == 25 << 30  # a quarter of what is free
+    assert MemoryBudget(100 << 30, 8 << 30, None).pool_limit() == 2 << 30  # ... of the cgroup's headroom
+    assert MemoryBudget(100 << 30, None, 5 << 30).pool_limit() == 2 << 30  # half the address space after 1 GiB
+    assert MemoryBudget(100 << 30, None, None).pool_limit(share=0.25) == 25 << 28  # a replica's share
     llm = LLM(llama_dir)
     engine = llm.engine
     assert engine.max_model_len == engine.model_config.max_position_embeddings

@@ -88,7 +88,9 @@ def test_fork_bombs_are_contained(bomb):
     start = time.monotonic()
     r = execute_code(PRINT_CWD + bomb, timeout=3)
     assert time.monotonic() - start < 6
-    assert not r.success and "PermissionError" in r.error and "disabled in the sandbox" in r.error
+    # refused by the Python-level guard, or first by the kernel (Landlock: no /dev/ptmx)
+    refused_by_kernel = r.filesystem_isolated and "out of pty devices" in r.error
+    assert not r.success and ("PermissionError" in r.error and "disabled in the sandbox" in r.error or refused_by_kernel)
     assert_nothing_left(r)
 
 
@@ -125,8 +127,8 @@ def test_writes_outside_the_directory_are_refused():
         assert not os.path.exists(target), attempt
     r = execute_code("import os, pathlib\nopen('a.txt', 'w').write('inside')\nos.makedirs('d/e')\n"
                      "pathlib.Path('d/e/b.txt').write_text('ok')\nprint(open('a.txt').read(), open('d/e/b.txt').read())\n"
-                     "print(len(open('/etc/passwd').read()) > 0)")  # reads stay allowed
-    assert r.success and r.stdout == "inside ok\nTrue\n", r.stderr
+                     "import json, decimal, sqlite3, hashlib\nprint(json.dumps([1]))")  # the standard library reads
+    assert r.success and r.stdout == "inside ok\n[1]\n", r.stderr
 
 
 def test_destructive_functions_are_disabled():
@@ -353,3 +355,58 @@ def test_relay_and_program_are_not_dumpable():
         pytest.skip("no PID namespace here: there is no relay")
     assert len(pids) == 2 and probe.returncode == 0, (pids, probe.stderr)
     assert probe.stdout.split() == [w for pid in pids for w in (str(pid), "PermissionError")], probe.stdout
+
+
+# --- the kernel's walls (issue 25) ------------------------------------------------------------------
+# Before: the file guard was Python-level only (open.__wrapped__ and a re-imported posix wrote
+# outside), and with the interpreter under /root the program ran as root and read /etc/shadow.
+
+def _kernel_walls(r: ExecutionResult) -> None:
+    if not r.filesystem_isolated:
+        pytest.skip("no Landlock on this kernel: the sandbox's file system is NOT isolated by the kernel")
+
+
+ESCAPES = {
+    "open.__wrapped__": "import builtins\nbuiltins.open.__wrapped__({path!r}, 'w').write('x')",
+    "re-imported posix": "import sys\ndel sys.modules['posix']\nimport posix\n"
+                         "posix.close(posix.open({path!r}, posix.O_WRONLY | posix.O_CREAT, 0o644))",
+    "os.open": "import os\nos.close(os.open({path!r}, os.O_WRONLY | os.O_CREAT))",
+    "_io.FileIO": "import _io\n_io.FileIO({path!r}, 'w').write(b'x')",
+    "ctypes open(2)": "import sys\nfor m in ('ctypes', '_ctypes'):\n    sys.modules.pop(m, None)\nimport ctypes\n"
+                      "libc = ctypes.CDLL(None, use_errno=True)\nfd = libc.open({path!r}.encode(), 0o101, 0o644)\n"
+                      "assert fd >= 0, ctypes.get_errno()",
+}
+
+
+@pytest.mark.parametrize("where", ["/tmp", "home", "cwd"])
+@pytest.mark.parametrize("how", list(ESCAPES))
+def test_writes_outside_are_refused_by_the_kernel(how, where):
+    folder = {"/tmp": "/tmp", "home": os.path.expanduser("~"), "cwd": os.getcwd()}[where]
+    path = os.path.join(folder, f"nanoinfer-sandbox-escape-{uuid.uuid4().hex}")
+    try:
+        r = execute_code(ESCAPES[how].format(path=path))
+        _kernel_walls(r)
+        assert not r.success, r.stdout
+        assert not os.path.exists(path), (how, where)
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+
+
+def test_reads_are_confined_to_what_the_program_needs():
+    secret = ("/etc/shadow" if os.path.exists("/etc/shadow") else "/etc/passwd")
+    r = execute_code("import sys\nfor m in ('ctypes', '_ctypes'):\n    sys.modules.pop(m, None)\nimport ctypes\n"
+                     f"libc = ctypes.CDLL(None)\nprint(libc.open({secret!r}.encode(), 0))\n"
+                     f"print(open({secret!r}).read())")
+    _kernel_walls(r)
+    assert r.stdout.splitlines()[0] == "-1" and "PermissionError" in r.error
+
+
+def test_root_callers_run_the_program_unprivileged_with_every_wall():
+    """As CI runs (root, the interpreter under /root): the program still drops to nobody (the
+    unreachable sys.path entries are bind-mounted where it can read them) inside Landlock."""
+    r = execute_code("import os\nprint(os.getuid(), os.geteuid())")
+    _kernel_walls(r)
+    assert r.success, r.stderr
+    if os.geteuid() == 0 and r.pid_isolated:
+        assert r.unprivileged and r.stdout == f"{sandbox.UNPRIVILEGED_ID} {sandbox.UNPRIVILEGED_ID}\n"

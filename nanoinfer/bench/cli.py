@@ -42,6 +42,11 @@ def _serve(a: argparse.Namespace) -> int:
     return run(a)
 
 
+def _soak(a: argparse.Namespace) -> int:
+    from .soak import run
+    return run(a)
+
+
 def _add_commands(sub) -> None:
     lat = sub.add_parser("latency", help="TTFT, TPOT, tok/s, MBU and MFU per batch size, against the roofline",
                          description="Prefill B prompts in one step, then decode; per batch size.")
@@ -131,14 +136,26 @@ def _add_commands(sub) -> None:
     srv.add_argument("--plot", default=None, metavar="FILE.png", help="also draw TTFT/E2E CDFs and the ITL histogram")
     srv.set_defaults(func=_serve)
 
+    soak = sub.add_parser("soak", help="many mixed requests against a server it starts; the server's RSS as they go",
+                          description="Completions, chat, streams, n=3, logprobs, JSON and regex constraints, and "
+                                      "streams closed mid-prefill, in a seeded random order, against `nanoinfer serve` "
+                                      "started here; VmRSS after every --every requests.")
+    soak.add_argument("--model", "-m", default=None, help="the model to serve (default: the default model)")
+    soak.add_argument("--kv-cache-memory", default=None, help="the server's KV pool (default: its own rule)")
+    soak.add_argument("--requests", "-n", type=int, default=2000, help="requests to send (default 2000)")
+    soak.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
+    soak.add_argument("--every", type=int, default=100, help="read RSS after every N requests (default 100)")
+    soak.add_argument("--seed", type=int, default=0, help="seed of the mix and the prompts (default 0)")
+    soak.set_defaults(func=_soak)
+
 
 DESCRIPTION = ("Benchmarks. Tables on stdout, progress on stderr; the last stdout line is one JSON document "
                "with every figure.")
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
-    """Add `bench {latency,throughput,loop,serve}` to a CLI's subparsers."""
-    bench = subparsers.add_parser("bench", help="benchmarks: latency, throughput, loop, serve",
+    """Add `bench {latency,throughput,loop,serve,soak}` to a CLI's subparsers."""
+    bench = subparsers.add_parser("bench", help="benchmarks: latency, throughput, loop, serve, soak",
                                   description=DESCRIPTION)
     _add_commands(bench.add_subparsers(dest="bench_command", required=True))
     return bench

@@ -30,6 +30,7 @@ from ..structured import ConstraintLimits, StructuredOutputs
 from ..tokenizer import IncrementalDetokenizer, StopMatcher
 from ..tools.tool_use import ToolUseState, bind_tools
 from .draft import DraftModelProposer
+from .memory import MemoryBudget, plan_kv_pool
 from .runner import ModelRunner
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import ForwardStat, RequestOutput, Sequence, StreamDelta, spec_figures
@@ -38,7 +39,7 @@ from .sequence import ForwardStat, RequestOutput, Sequence, StreamDelta, spec_fi
 @dataclass
 class EngineConfig:
     max_model_len: int | None = None  # default: the model's context window (clamped to the KV pool)
-    kv_cache_memory: int | None = None  # bytes for the KV pool; None: default_kv_pool_bytes
+    kv_cache_memory: int | None = None  # bytes for the KV pool; None: memory.py's rule
     kv_memory_share: float = 1.0  # the share of the machine's memory the default pool is sized from (1/N for N replicas)
     block_size: int = 16
     max_num_seqs: int = 64
@@ -54,18 +55,6 @@ class EngineConfig:
 
 
 logger = logging.getLogger("nanoinfer.engine")
-
-
-def available_memory() -> int:
-    """MemAvailable from /proc/meminfo (what can be had without swapping); 8 GiB if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
 
 
 KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -86,14 +75,6 @@ def kv_cache_dtype(model: torch.nn.Module, requested: str = "auto") -> torch.dty
     return param.dtype
 
 
-def default_kv_pool_bytes(bytes_per_token: int, context: int, max_num_seqs: int, available: int) -> int:
-    """The KV pool when none is given: room for max_num_seqs sequences at the full context,
-    but at most a quarter of the memory available when the engine starts, and never less
-    than one full-context sequence. So it follows the model (bytes per token, context) and
-    the machine; on the CPU its pages are resident only once sequences write them."""
-    return max(bytes_per_token * context, min(bytes_per_token * context * max_num_seqs, available // 4))
-
-
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
@@ -105,18 +86,19 @@ class LLMEngine:
         self.kv_dtype = kv_cache_dtype(self.model, config.kv_cache_dtype)
         tp = config.tensor_parallel_size
         rank_mc = rank_config(mc, tp) if tp > 1 else mc  # what this process's attention and KV pool hold
-        bytes_per_token = rank_mc.kv_bytes_per_token(self.kv_dtype.itemsize)
-        pool = config.kv_cache_memory
-        if pool is None:
-            context = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-            pool = default_kv_pool_bytes(bytes_per_token, context, config.max_num_seqs,
-                                         int(available_memory() * config.kv_memory_share))
-        num_blocks = max(1, pool // (config.block_size * bytes_per_token))
-        self.cache = PagedKVCache.allocate(mc.num_layers, num_blocks, config.block_size, rank_mc.num_kv_heads,
-                                           mc.head_dim, self.kv_dtype, self.device)
         # One sequence must always fit in the pool, or preemption could never make room.
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings,
-                                 num_blocks * config.block_size)
+        plan = plan_kv_pool(rank_mc.kv_bytes_per_token(self.kv_dtype.itemsize), config.block_size,
+                            mc.max_position_embeddings, config.max_model_len, config.kv_cache_memory,
+                            config.max_num_seqs, MemoryBudget.now(), config.kv_memory_share)
+        if plan.note:
+            logger.warning(plan.note)
+        num_blocks, self.max_model_len = plan.num_blocks, plan.max_model_len
+        try:
+            self.cache = PagedKVCache.allocate(mc.num_layers, num_blocks, config.block_size, rank_mc.num_kv_heads,
+                                               mc.head_dim, self.kv_dtype, self.device)
+        except (OSError, MemoryError, RuntimeError) as e:  # the machine changed since it was measured
+            raise InvalidRequestError(f"cannot allocate a KV pool of {num_blocks} blocks: {e}; "
+                                      f"set --kv-cache-memory", "kv_cache_memory") from None
         if hasattr(self.model, "set_context"):  # LongRoPE's short or long factors follow the window
             self.model.set_context(self.max_model_len)
         self.scheduler = Scheduler(SchedulerConfig(num_blocks, config.max_num_seqs, config.max_num_batched_tokens,
@@ -208,8 +190,17 @@ class LLMEngine:
                 self.scheduler.finish(seq)
         return deltas
 
+    def pause(self, request_id: str, paused: bool = True) -> None:
+        """Stop (or resume) scheduling a request's samples; they keep their KV blocks. For a
+        reader that has fallen behind: its output waits instead of piling up."""
+        for seq in self.requests.get(request_id, []):
+            seq.paused = paused
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def has_schedulable(self) -> bool:
+        return self.scheduler.has_schedulable()
 
     @property
     def blocks(self):

@@ -8,6 +8,7 @@ decoding, and prefix caching simply starts a prompt with some tokens already com
 Order: running sequences first (oldest first), then waiting ones (FCFS). When the KV
 pool has no block for a running sequence, the newest running sequence is preempted:
 its blocks are freed and it goes back to the front of the queue to be recomputed.
+A paused sequence (its reader has fallen behind) is skipped, wherever it is, and keeps its place.
 """
 from __future__ import annotations
 
@@ -46,6 +47,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_schedulable(self) -> bool:
+        """Whether a step would run anything: some sequence is not paused."""
+        return any(not s.paused for s in self.running) or any(not s.paused for s in self.waiting)
+
     def _blocks_for(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks `seq` needs to compute num_tokens more tokens, a copy-on-write included."""
         table = seq.block_table
@@ -75,6 +80,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.paused:
+                i += 1
+                continue
             if seq.spec_tokens:  # a decode with proposed tokens: the guesses ride along, budget permitting
                 del seq.spec_tokens[max(0, budget - (seq.length - seq.num_computed)):]
             n = min(seq.length - seq.num_computed + len(seq.spec_tokens), budget)
@@ -89,6 +97,9 @@ class Scheduler:
             budget -= n
             i += 1
         # 2. waiting sequences, first come first served, while budget and blocks last
+        paused = [s for s in self.waiting if s.paused]
+        if paused:  # aside while the others are served, then back in their places at the front
+            self.waiting = deque(s for s in self.waiting if not s.paused)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if self.num_seats() + 1 + len(seq.forks) > self.config.max_num_seqs:
@@ -96,6 +107,10 @@ class Scheduler:
             if not seq.block_table:
                 seq.num_computed = self.blocks.allocate_prompt(seq.block_table, seq.all_ids)
             n = min(seq.length - seq.num_computed, budget)
+            # A paused sequence's blocks are the first to give up for one that can run.
+            while not self.blocks.can_allocate(self._blocks_for(seq, n)) and any(s.paused for s in self.running):
+                self.preempt(next(s for s in reversed(self.running) if s.paused))
+                paused.append(self.waiting.popleft())  # aside with the others: it waits for its reader
             if not self.blocks.can_allocate(self._blocks_for(seq, n)):
                 if not self.running:
                     # alone and still no room: the pool is smaller than this prompt chunk
@@ -110,6 +125,7 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_tokens.append(n)
             budget -= n
+        self.waiting.extendleft(reversed(paused))
         batch.block_copies = self.blocks.take_pending_copies()
         return batch
 

@@ -161,6 +161,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # prefix hashes of its full blocks
     num_preemptions: int = 0
     forks: list[Sequence] = field(default_factory=list)  # samples 1..n-1, forked after this one's prefill
+    paused: bool = False  # its reader is behind: not scheduled (its blocks kept) until it catches up
     stats: RequestStats = field(init=False)
     stop_ids: frozenset[int] = field(init=False)  # params.stop_token_ids, looked up every token
 

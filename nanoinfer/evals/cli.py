@@ -89,6 +89,11 @@ def _humaneval(a: argparse.Namespace) -> int:
 
     output = Path(a.output or "humaneval_samples.jsonl")
     he.write_samples(output, problems, completions)
+    from ..tools.sandbox import isolation, isolation_warning
+    walls = isolation()
+    print("[humaneval] sandbox: " + " ".join(f"{w}={v}" for w, v in walls.items()), file=sys.stderr)
+    if (warning := isolation_warning(walls)) is not None:
+        print(warning, file=sys.stderr)
     t_score = time.perf_counter()
     results = he.score(problems, completions, a.workers, a.timeout,
                        on_done=_Progress("score", sum(len(c) for c in completions)))
@@ -110,7 +115,7 @@ def _humaneval(a: argparse.Namespace) -> int:
         "prefill_tokens": gen.prefill_tokens,
         "generation_s": round(gen.seconds, 2), "scoring_s": round(scoring_s, 2), "wall_s": round(wall, 2),
         "problems_per_minute": round(len(problems) / wall * 60, 2),
-        "samples_file": str(output), "results_file": str(results_file),
+        "samples_file": str(output), "results_file": str(results_file), "sandbox": walls,
     }
     for key in summary:
         if key.startswith("pass@"):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -46,27 +47,39 @@ from .serving import ClientGone, ServerConfig, Serving, as_api_error
 logger = logging.getLogger("nanoinfer.server")
 STATIC = Path(__file__).parent / "static"
 _DRAIN_LIMIT = 64 << 20  # an oversized body is read (and dropped) up to this, so the 413 reaches the client
+SEND_BUFFER_BYTES = 64 << 10  # a connection's kernel send buffer (Linux doubles it); ample for token streams
 _PARSE_INLINE_BYTES = 64 << 10  # bodies up to this are parsed on the event loop (well under a millisecond)
 _ABORT_GRACE = 3.0  # seconds aborted requests get to send their last chunks before uvicorn cancels them
 
 
 class SSEResponse(StreamingResponse):
     """A text/event-stream whose generator is always closed: on a client disconnect (noticed by
-    listening for it, not only when a write fails) or when the response task is cancelled,
-    `aclose()` runs the generator's cleanup, which aborts the engine request."""
+    listening for it, not only when a write fails), when the response task is cancelled, or when
+    one write waits more than `send_timeout` seconds for a client that stopped reading (the
+    connection is then closed), `aclose()` runs the generator's cleanup, which aborts the engine
+    request."""
 
-    def __init__(self, content):
+    def __init__(self, content, send_timeout: float):
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.send_timeout = send_timeout
 
     async def __call__(self, scope, receive, send) -> None:
+        async def timed_send(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.send_timeout)
+            except TimeoutError:
+                raise _ClientStalled() from None
+
         try:
             async with anyio.create_task_group() as tg:
                 async def stream() -> None:
                     try:
-                        await self.stream_response(send)
+                        await self.stream_response(timed_send)
                     except OSError:  # the client went away mid-write
                         pass
+                    except _ClientStalled:
+                        logger.warning("a client read nothing for %.0f s: its stream is closed", self.send_timeout)
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(stream)
@@ -74,6 +87,10 @@ class SSEResponse(StreamingResponse):
                 tg.cancel_scope.cancel()
         finally:
             await self.body_iterator.aclose()
+
+
+class _ClientStalled(Exception):
+    pass
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -97,7 +114,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def create_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
-    async_engine = AsyncEngine(engine)
+    async_engine = AsyncEngine(engine, stall_timeout=config.client_read_timeout)
     metrics = ServerMetrics(lambda: async_engine.metrics)
     async_engine.on_finished = metrics.observe  # every request, also those whose client left
     serving = Serving(async_engine, config)
@@ -144,7 +161,7 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         return parse_request(model, raw)
 
     def respond(result):
-        return SSEResponse(result) if not isinstance(result, dict) else JSONResponse(result)
+        return SSEResponse(result, config.client_read_timeout) if not isinstance(result, dict) else JSONResponse(result)
 
     # --- OpenAI ----------------------------------------------------------------------
     @app.post("/v1/completions")
@@ -227,13 +244,22 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 class HeaderTimeoutH11Protocol(H11Protocol):
     """uvicorn's h11 protocol that closes a connection which has not sent a whole request's headers
     `header_timeout` seconds after connecting or after its last response. (uvicorn's keep-alive
-    timer is reset by every byte received, so a client trickling headers held a connection forever.)"""
+    timer is reset by every byte received, so a client trickling headers held a connection forever.)
+    Its socket's send buffer is fixed at SEND_BUFFER_BYTES: with the kernel's autotuning a client
+    that stops reading soaked up megabytes of a stream before a write waited, so the server could
+    not tell it had stopped (the stream's own buffer then fills: see AsyncEngine)."""
 
     header_timeout: float = 10.0
     _header_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+            except OSError:
+                pass
         self._arm_header_timer()
 
     def data_received(self, data: bytes) -> None:

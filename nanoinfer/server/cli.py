@@ -45,6 +45,9 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                           "(default 5)")
     lim.add_argument("--header-timeout", type=float, default=10.0,
                      help="seconds a connection gets to send a request's headers before it is closed (default 10)")
+    lim.add_argument("--client-read-timeout", type=float, default=30.0,
+                     help="seconds a stream may go unread: its request is paused once 64 chunks are waiting, and "
+                          "aborted (KV freed, connection closed) after this long (default 30)")
     add_engine_args(p, max_num_seqs=64, max_num_batched_tokens=512, tensor_parallel=True)
     rep = p.add_argument_group("replicas (Ray Serve)")
     rep.add_argument("--replicas", type=positive_int, default=1,
@@ -85,7 +88,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
           f"on http://{a.host}:{a.port}]", file=sys.stderr, flush=True)
     config = ServerConfig(model_name=name, max_n=a.max_n, max_tokens_limit=a.max_tokens_limit,
                           max_request_bytes=a.max_request_bytes, max_prompts=a.max_prompts,
-                          shutdown_timeout=a.shutdown_timeout, header_timeout=a.header_timeout)
+                          shutdown_timeout=a.shutdown_timeout, header_timeout=a.header_timeout,
+                          client_read_timeout=a.client_read_timeout)
     # uvicorn shuts down gracefully on SIGTERM, then raises it again for the previous handler:
     # make that an ordinary exit (status 0) rather than death by signal.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -108,7 +112,8 @@ def _serve_replicas(a: argparse.Namespace) -> int:
     name = a.served_model_name or (default_name(Path(a.model)) if a.model else "SmolLM2-135M-Instruct.Q4_1")
     server = dict(model_name=name, max_n=a.max_n, max_tokens_limit=a.max_tokens_limit,
                   max_request_bytes=a.max_request_bytes, max_prompts=a.max_prompts,
-                  shutdown_timeout=a.shutdown_timeout, header_timeout=a.header_timeout)
+                  shutdown_timeout=a.shutdown_timeout, header_timeout=a.header_timeout,
+                  client_read_timeout=a.client_read_timeout)
     settings = ReplicaSettings(a.model and str(Path(a.model).resolve()), a.dtype, a.max_model_len, engine_kwargs(a),
                                server, a.replicas, a.speculative_config)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

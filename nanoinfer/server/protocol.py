@@ -84,7 +84,7 @@ def _prompt(value: Any) -> Any:
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Annotated[Any, PlainValidator(_prompt)]
+    prompt: Annotated[str | list[str] | list[int] | list[list[int]], PlainValidator(_prompt)]
     logprobs: int | None = None
     echo: bool = False
     parse_special: bool = True  # special-token text in the prompt ("<|fim_prefix|>") becomes the token

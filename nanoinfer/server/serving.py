@@ -39,6 +39,7 @@ class ServerConfig:
     max_prompts: int = 64  # prompts in one /v1/completions request
     shutdown_timeout: float = 5.0  # seconds in-flight requests get to finish on SIGINT/SIGTERM
     header_timeout: float = 10.0  # seconds a connection gets to send a request's headers
+    client_read_timeout: float = 30.0  # seconds a stream may go unread before its request is aborted
 
 
 class ClientGone(Exception):
@@ -139,7 +140,9 @@ class Serving:
                   request_id: str) -> AsyncIterator[tuple[int, StreamDelta | RequestOutput]]:
         """All prompts' outputs as they come, tagged with the prompt's index. Closing this
         iterator (or cancelling its consumer) aborts every request still running."""
-        queue: asyncio.Queue = asyncio.Queue()
+        # Bounded: a consumer that stops reading stops the pumps, so the engine sees its reader fall
+        # behind (and pauses the request) instead of this queue growing.
+        queue: asyncio.Queue = asyncio.Queue(maxsize=16)
         done = object()
 
         async def pump(i: int, prompt: Prompt) -> None:
@@ -147,12 +150,12 @@ class Serving:
                 async with aclosing(self.engine.generate(prompt.ids, params, f"{request_id}-{i}",
                                                          prompt.text)) as stream:
                     async for item in stream:
-                        queue.put_nowait((i, item))
-                queue.put_nowait((i, done))
+                        await queue.put((i, item))
+                await queue.put((i, done))
             except RuntimeError as e:  # the engine is shutting down
-                queue.put_nowait((i, APIError(str(e), status=503, type="server_error")))
+                await queue.put((i, APIError(str(e), status=503, type="server_error")))
             except Exception as e:  # refused (400), or failed inside the engine (500): the consumer raises it
-                queue.put_nowait((i, as_api_error(e)))
+                await queue.put((i, as_api_error(e)))
 
         if not self.engine.thread.is_alive():
             raise APIError("the engine is not running", status=503, type="server_error")

@@ -13,22 +13,32 @@ What `execute_code` does, in order:
      it exits, the kernel kills everything it started, even processes that left the process
      group). Tried as `unshare(NET|PID)`, then `unshare(NET)`, then inside a new user namespace.
      With a PID namespace the guard forks: it stays outside as the relay (waits, passes the exit
-     status on, drops its capabilities) and the child runs steps 2-5 and the program. Both are
+     status on, drops its capabilities) and the child runs steps 2-6 and the program. Both are
      made non-dumpable (PR_SET_DUMPABLE 0) before the fork, so /proc/<pid>/mem, environ, maps
      and ptrace need CAP_SYS_PTRACE, which nothing in the sandbox has: else the program, same
      uid as the relay, could write code into it and act in the host PID namespace (kill the
      caller). The child then enters a private mount namespace with a fresh /proc of its PID
      namespace (mount propagation off): no outside process is even visible.
-  2. When the caller is root and every sys.path entry is world-readable (so imports still work),
-     it hands `work/` to uid/gid 65534 (nobody) and switches to it: then file permissions and
-     RLIMIT_NPROC apply for real. Otherwise the program keeps the caller's uid.
+  2. When the caller is root, it hands `work/` to uid/gid 65534 (nobody) and switches to it: then
+     file permissions and RLIMIT_NPROC apply for real. The interpreter must still import its
+     modules as nobody: a sys.path entry nobody cannot reach (a Python under /root, mode 700, as
+     on the machines CI runs on) is first bind-mounted read-only onto a folder of the sandbox's
+     in its private mount namespace, and sys.path (and the imported packages' __path__) point
+     there. Without a mount namespace such a program keeps the caller's uid.
   3. Resource limits, soft = hard so the program cannot raise them: RLIMIT_AS and RLIMIT_DATA
      (`maximum_memory_bytes`), RLIMIT_STACK 8 MiB, RLIMIT_CPU ceil(timeout)+1 s, RLIMIT_FSIZE
      10 MiB, RLIMIT_NOFILE 256, RLIMIT_CORE 0, RLIMIT_NPROC (the uid's current tasks + 32; the
      kernel never enforces it for root).
   4. All capabilities dropped (capset) and PR_SET_NO_NEW_PRIVS set, so root-in-the-sandbox cannot
      raise its limits, re-enter the host network namespace, mount, or regain privileges by exec.
-  5. Python-level guards: process creation, signalling, exec, deletion/renaming, chdir/chmod/
+  5. Landlock (Linux >= 5.13, no privileges needed), enforced by the kernel whatever the program
+     calls (ctypes, a re-imported posix, os.open, _io): it may read, write, create and remove
+     only inside `work/`, read (and map) only its sys.path, the system library folders, its own
+     program file, /dev/null, /dev/urandom, /dev/zero, the time-zone files and, with a private
+     /proc, /proc; nothing else of the file system, /etc/shadow and the caller's files included.
+     From Landlock ABI 4 TCP bind/connect are refused too, and from ABI 6 signals and abstract
+     Unix sockets beyond the sandbox.
+  6. Python-level guards: process creation, signalling, exec, deletion/renaming, chdir/chmod/
      chown, setuid/setsid, putenv and friends raise PermissionError (in `os` and `posix`), as do
      shutil.rmtree/move/chown, subprocess.*, _posixsubprocess.fork_exec and help(); `open`,
      `io.open`, `os.open` and `os.mkdir` refuse write/append/create outside the working directory
@@ -42,28 +52,30 @@ What `execute_code` does, in order:
   "exit code N", "killed by SIGSEGV"), `timeout` (wall clock or CPU limit), `memory_exceeded`
   (MemoryError, or an unexplained SIGKILL), and which walls were up: `network_isolated`,
   `pid_isolated`, `proc_isolated` (private /proc), `unprivileged` (non-root uid and no
-  capabilities).
+  capabilities), `filesystem_isolated` (Landlock). `isolation()` reports them for this machine
+  and `isolation_warning()` says which are missing; `eval humaneval` prints both.
 
 What it does NOT protect against:
 
-* The Python-level guards (step 5) are a speed bump, not a wall: code can re-import `posix` or
-  `ctypes`, reach the originals through gc or C extensions, and then fork, delete files, or write
-  outside the working directory wherever its uid may. Only steps 1-4 hold against that.
-* Without the uid switch (step 2; e.g. the interpreter lives under /root) the program runs as the
-  caller: it can read whatever the caller can, and through ctypes write it too (as root without
-  capabilities that still includes root-owned files), and for root RLIMIT_NPROC is not enforced,
-  so a ctypes fork bomb is bounded only by the timeout. The mount namespace only replaces /proc:
-  there is no chroot, seccomp filter or cgroup.
-* If the kernel refuses namespaces, the network is open (`network_isolated=False`), and a process
-  that leaves both the process group and the working directory (via ctypes) can outlive the call.
-  Without a PID namespace the program (via ctypes) can also signal every process of its uid, the
-  caller included, and read and write the memory (/proc/<pid>/mem) of those that are dumpable and
-  hold no capabilities: a non-root caller is one.
+* The Python-level guards (step 6) are a speed bump, not a wall: code can re-import `posix` or
+  `ctypes`, or reach the originals (`open.__wrapped__`). Steps 1-5 are what holds.
+* Without Landlock (`filesystem_isolated=False`: Linux < 5.13, or Landlock off), the file system
+  is guarded only by the uid: a program running as nobody can read whatever is world-readable
+  and write to world-writable places such as /tmp; one that kept the caller's uid (no mount
+  namespace for the uid switch) can read what the caller can, and through ctypes write it too.
+  For root RLIMIT_NPROC is not enforced, so a ctypes fork bomb is bounded only by the timeout.
+  There is no seccomp filter and no cgroup.
+* If the kernel refuses namespaces, the network is open (`network_isolated=False`; with Landlock
+  ABI >= 4 TCP is still refused), and a process that leaves both the process group and the
+  working directory (via ctypes) can outlive the call. Without a PID namespace the program (via
+  ctypes) can also signal every process of its uid (Landlock ABI >= 6 stops that), the caller
+  included, and read and write the memory (/proc/<pid>/mem) of those that are dumpable and hold
+  no capabilities: a non-root caller is one.
 * Without a private /proc (`proc_isolated=False`: the mount was refused) the program sees every
-  host process's pid, command line and status; outside a user namespace (a root caller) it can
-  also take over, through /proc/<pid>/mem, any dumpable process of its uid without capabilities
-  (e.g. a daemon running as nobody). The relay and the program themselves are non-dumpable.
-* Filesystem Unix sockets (e.g. a Docker socket) are reachable even in a new network namespace.
+  host process's pid, command line and status unless Landlock hides /proc (it does: /proc is
+  readable only when private). The relay and the program themselves are non-dumpable.
+* Filesystem Unix sockets (e.g. a Docker socket) are reachable even in a new network namespace
+  unless Landlock is on (they are files outside the allowed folders).
 * Disk use: RLIMIT_FSIZE bounds each file, not the number of files.
 * Output still in the program's own stdout buffer is lost when it is killed at the timeout.
 """
@@ -102,6 +114,7 @@ class ExecutionResult:
     pid_isolated: bool = False  # ... and its own PID namespace (all its processes die with it)
     proc_isolated: bool = False  # ... whose /proc shows no process outside that namespace
     unprivileged: bool = False  # ... as a non-root uid without capabilities
+    filesystem_isolated: bool = False  # ... confined by the kernel (Landlock) to its folder and what Python reads
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -115,7 +128,7 @@ cfg = json.loads(sys.argv[1])
 with open(cfg["program"], "rb") as f:
     source = f.read()
 libc = ctypes.CDLL(None, use_errno=True)
-status = {"network": False, "pid": False, "proc": False, "unprivileged": False}
+status = {"network": False, "pid": False, "proc": False, "unprivileged": False, "filesystem": False}
 
 # 1. namespaces
 NEWNS, NEWUSER, NEWPID, NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
@@ -156,6 +169,10 @@ def drop_capabilities():
     libc.prctl(38, *map(ctypes.c_ulong, (1, 0, 0, 0)))  # PR_SET_NO_NEW_PRIVS
     return ok
 
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x8, 0x4000, 0x40000
+def mount(source, target, fstype, flags):
+    return libc.mount(source, target, fstype, ctypes.c_ulong(flags), None) == 0
+
 tasks = tasks_by_uid()
 if status["pid"]:
     # The relay (this process, outside the new PID namespace, same uid as the program) must be out
@@ -183,13 +200,12 @@ if status["pid"]:
         os._exit(os.waitstatus_to_exitcode(wstatus))
     # A /proc of our own namespace (in a private mount namespace) hides every outside process:
     # no pid, cmdline or status of the relay, the caller or anything else on the host.
-    MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x8, 0x4000, 0x40000
-    def mount(source, target, fstype, flags):
-        return libc.mount(source, target, fstype, ctypes.c_ulong(flags), None) == 0
     status["proc"] = (libc.unshare(NEWNS) == 0 and mount(None, b"/", None, MS_REC | MS_PRIVATE)  # no propagation out
                       and mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC))
 
-# 2. leave root, but only if the interpreter can still import its modules afterwards
+# 2. leave root. The interpreter must still import its modules afterwards: a sys.path entry the
+# new user cannot reach (under /root, mode 700) is bind-mounted, read-only, onto a folder of ours
+# that it can reach, in our private mount namespace, and sys.path points there instead.
 def world_readable(path):
     path = os.path.realpath(path)
     if not os.stat(path).st_mode & stat.S_IROTH:
@@ -200,8 +216,29 @@ def world_readable(path):
             return False
     return True
 
+MS_RDONLY, MS_REMOUNT, MS_BIND = 0x1, 0x20, 0x1000
 drop = cfg["drop_to"]
-if os.geteuid() == 0 and drop and all(world_readable(p) for p in sys.path if os.path.exists(p)):
+if os.geteuid() == 0 and drop and status["proc"]:  # root, in a mount namespace of its own
+    moved = {}
+    for i, entry in enumerate(list(sys.path)):
+        if os.path.isdir(entry) and not world_readable(entry):
+            target = os.path.join(cfg["lib_root"], str(i))
+            os.mkdir(target, 0o755)
+            if mount(os.fsencode(os.path.realpath(entry)), os.fsencode(target), None, MS_BIND | MS_REC):
+                mount(None, os.fsencode(target), None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_REC)
+                moved[entry] = sys.path[i] = target
+    def moved_path(p):
+        for old, new in moved.items():
+            if p == old or p.startswith(old + os.sep):
+                return new + p[len(old):]
+        return p
+    for module in list(sys.modules.values()):  # packages imported already find their submodules there too
+        search = getattr(module, "__path__", None)
+        if isinstance(search, list):
+            search[:] = [moved_path(p) for p in search]
+    sys.path_importer_cache.clear()
+reachable = [p for p in sys.path if os.path.exists(p)]
+if os.geteuid() == 0 and drop and all(world_readable(p) for p in reachable):
     try:
         os.chown(os.getcwd(), drop, drop)  # the working directory becomes the new user's
         os.setgroups([])
@@ -238,12 +275,64 @@ if os.getuid() != 0:  # the kernel ignores RLIMIT_NPROC for root; for others it 
 # 4. no capabilities, and no way to gain any through exec
 no_caps = drop_capabilities()
 status["unprivileged"] = no_caps and os.geteuid() != 0
+
+# 5. Landlock (Linux >= 5.13, no privileges needed): the kernel confines the file system to the
+# working directory (read and write) and what the interpreter reads (its sys.path, system
+# libraries, a few device and time-zone files), whatever the program does: ctypes, a re-imported
+# posix, os.open. From ABI 4 also TCP, from ABI 6 signals and abstract sockets, beyond ourselves.
+SYS_CREATE, SYS_ADD, SYS_RESTRICT = 444, 445, 446  # x86_64 and arm64 share these numbers
+class PathBeneath(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+def landlock():
+    libc.syscall.restype = ctypes.c_long
+    abi = libc.syscall(SYS_CREATE, None, ctypes.c_size_t(0), ctypes.c_uint32(1))  # LANDLOCK_CREATE_RULESET_VERSION
+    if abi < 1:
+        return 0
+    fs = (1 << 13) - 1 | (1 << 13 if abi >= 2 else 0) | (1 << 14 if abi >= 3 else 0) | (1 << 15 if abi >= 5 else 0)
+    net = 0b11 if abi >= 4 else 0  # bind and connect TCP: none allowed
+    scoped = 0b11 if abi >= 6 else 0  # abstract unix sockets and signals: only within the sandbox
+    attr = (ctypes.c_uint64 * 3)(fs, net, scoped)
+    size = 8 * (3 if abi >= 6 else 2 if abi >= 4 else 1)
+    ruleset = libc.syscall(SYS_CREATE, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
+    if ruleset < 0:
+        return 0
+    EXECUTE, READ_FILE, READ_DIR = 1, 1 << 2, 1 << 3
+    file_rights = EXECUTE | 1 << 1 | READ_FILE | (1 << 14) | (1 << 15)  # what applies to a file, not a folder
+    read = EXECUTE | READ_FILE | READ_DIR
+    def allow(path, rights):
+        try:
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            if not stat.S_ISDIR(os.fstat(fd).st_mode):
+                rights &= file_rights
+            rule = PathBeneath(rights & fs, fd)
+            libc.syscall(SYS_ADD, ruleset, 1, ctypes.byref(rule), ctypes.c_uint32(0))  # LANDLOCK_RULE_PATH_BENEATH
+        finally:
+            os.close(fd)
+    allow(os.getcwd(), fs)  # the working directory: everything
+    allow(cfg["program"], READ_FILE)  # tracebacks quote its lines
+    for p in reachable:
+        allow(p, read)
+    for p in ("/usr/lib", "/usr/lib64", "/lib", "/lib64", "/usr/local/lib", "/etc/ld.so.cache",
+              "/etc/localtime", "/usr/share/zoneinfo", "/dev/urandom", "/dev/zero"):
+        allow(p, read)
+    allow("/dev/null", READ_FILE | 1 << 1)  # WRITE_FILE
+    if status["proc"]:  # our own namespace's /proc
+        allow("/proc", read)
+    done = libc.syscall(SYS_RESTRICT, ruleset, ctypes.c_uint32(0)) == 0
+    os.close(ruleset)
+    return abi if done else 0
+status["landlock_abi"] = landlock()
+status["filesystem"] = status["landlock_abi"] > 0
 if status["pid"]:  # after the uid switch, which clears it: die with the relay even outside its group
     libc.prctl(1, *map(ctypes.c_ulong, (signal.SIGKILL, 0, 0, 0)))  # PR_SET_PDEATHSIG
 os.write(cfg["status_fd"], json.dumps(status).encode())
 os.close(cfg["status_fd"])
 
-# 5. second line of defence: Python-level guards
+# 6. second line of defence: Python-level guards
 import builtins, errno, functools, io, _io, posix, shutil, subprocess, types
 try:
     import _posixsubprocess
@@ -338,6 +427,25 @@ class _Capture:
         return text + f"\n[truncated: {self.dropped} more bytes]" if self.dropped else text
 
 
+WALLS = ("network_isolated", "pid_isolated", "proc_isolated", "unprivileged", "filesystem_isolated")
+
+
+def isolation() -> dict[str, bool]:
+    """The walls a program gets here (each execute_code reports its own; they do not change
+    between calls): one trivial program's report."""
+    r = execute_code("pass", timeout=10)
+    return {w: getattr(r, w) for w in WALLS}
+
+
+def isolation_warning(walls: dict[str, bool]) -> str | None:
+    """One line naming the walls that are missing, or None."""
+    missing = [w for w in WALLS if not walls.get(w)]
+    if not missing:
+        return None
+    return ("WARNING: the sandbox runs model-written code WITHOUT " + ", ".join(missing) +
+            " on this machine (see nanoinfer/tools/sandbox.py for what each wall stops)")
+
+
 def execute_code(code: str, timeout: float = 5.0,
                  maximum_memory_bytes: int | None = 256 * 1024**2) -> ExecutionResult:
     """Run `code` in a sandboxed interpreter (see the module docstring) and report how it went."""
@@ -351,16 +459,18 @@ def execute_code(code: str, timeout: float = 5.0,
 
 
 def _run(code: str, timeout: float, maximum_memory_bytes: int | None, root: str) -> ExecutionResult:
-    program, work = os.path.join(root, "program.py"), os.path.join(root, "work")
+    program, work, lib_root = os.path.join(root, "program.py"), os.path.join(root, "work"), os.path.join(root, "lib")
     with open(program, "wb") as f:
         f.write(code.encode("utf-8", "surrogatepass"))  # bad text then fails as a SyntaxError
     os.mkdir(work)
+    os.mkdir(lib_root)
+    os.chmod(lib_root, 0o755)
     if os.geteuid() == 0:  # the guard may switch to nobody: let it reach work/ (and show source lines)
         os.chmod(root, 0o711)
         os.chmod(program, 0o644)
     status_r, status_w = os.pipe()
     config = {"program": program, "memory": maximum_memory_bytes, "cpu_seconds": max(1, math.ceil(timeout) + 1),
-              "drop_to": UNPRIVILEGED_ID, "status_fd": status_w}
+              "drop_to": UNPRIVILEGED_ID, "status_fd": status_w, "lib_root": lib_root}
     try:
         proc = subprocess.Popen(
             [PYTHON, "-I", "-B", "-X", "utf8", "-c", _GUARD, json.dumps(config)],
@@ -478,7 +588,8 @@ def _cwd_in(proc_dir: str, directory: str) -> bool:
 
 
 def _walls(status: _Capture) -> dict:
-    """What the guard reported: {"network": bool, "pid": bool, "proc": bool, "unprivileged": bool}, or {}."""
+    """What the guard reported: {"network", "pid", "proc", "unprivileged", "filesystem": bool,
+    "landlock_abi": int}, or {}."""
     try:
         return json.loads(status.head.decode())
     except ValueError:  # the guard died before reporting (or has not reported yet)
@@ -510,4 +621,5 @@ def _result(returncode: int, out: _Capture, err: _Capture, status: _Capture, tim
         success=returncode == 0 and not timed_out, stdout=out.text(), stderr=err.text(), error=error,
         timeout=timed_out or cpu, memory_exceeded=memory,
         network_isolated=bool(walls.get("network")), pid_isolated=bool(walls.get("pid")),
-        proc_isolated=bool(walls.get("proc")), unprivileged=bool(walls.get("unprivileged")))
+        proc_isolated=bool(walls.get("proc")), unprivileged=bool(walls.get("unprivileged")),
+        filesystem_isolated=bool(walls.get("filesystem")))
