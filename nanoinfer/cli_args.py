@@ -52,11 +52,14 @@ def add_model_arg(p: argparse.ArgumentParser) -> None:
 
 def add_model_args(p: argparse.ArgumentParser, *, dtype: str | None = "auto", dtype_rule: str = "",
                    max_model_len: bool = True, device: str | None = "cpu",
-                   device_rule: str = "cuda when available") -> None:
-    """--model, --dtype, --device and (unless max_model_len=False) --max-model-len.
-    dtype=None or device=None: the command picks one later, as `dtype_rule` or `device_rule`
-    tells the help."""
+                   device_rule: str = "cuda when available", threads: bool = True) -> None:
+    """--model, --dtype, --device, --threads (unless threads=False: bench has its own) and
+    (unless max_model_len=False) --max-model-len. dtype=None or device=None: the command picks
+    one later, as `dtype_rule` or `device_rule` tells the help."""
     add_model_arg(p)
+    if threads:
+        p.add_argument("--threads", type=positive_int, default=None,
+                       help="CPU threads for the model (default: torch's choice, one per core)")
     p.add_argument("--dtype", default=dtype,
                    help=f"auto (a GGUF as stored, on the block-format kernels) | float32 | bfloat16 | float16 "
                         f"(default {dtype or dtype_rule})")
@@ -140,7 +143,11 @@ def add_sampling_args(p: argparse.ArgumentParser, *, max_tokens: int) -> None:
 
 
 def sampling_params(a: argparse.Namespace) -> SamplingParams:
-    """add_sampling_args' flags as SamplingParams (which validates them: NanoinferError)."""
+    """add_sampling_args' flags as SamplingParams (which validates them: NanoinferError). A
+    temperature above 2 is allowed but said: llama.cpp users write -t 8 meaning 8 threads."""
+    if a.temperature > 2:
+        print(f"note: temperature {a.temperature:g} (-t is the temperature here; threads are --threads)",
+              file=sys.stderr)
     return SamplingParams(
         temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p,
         repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
@@ -153,6 +160,9 @@ def run_command(a: argparse.Namespace) -> int:
     """Run the parsed command (`a.func`). An error is one line `error: ...` and status 1;
     a closed pipe (`| head`) is a normal end."""
     try:
+        if getattr(a, "threads", None):
+            import torch
+            torch.set_num_threads(a.threads)
         return a.func(a) or 0
     except NanoinferError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -40,3 +40,15 @@ def generate_uncached(model: nn.Module, prompt_ids: list[int], max_tokens: int,
         if token in eos_ids:
             break
     return out, all_logits
+
+
+def prompt_logprobs_uncached(model: nn.Module, prompt_ids: list[int], kv_dtype: torch.dtype | None = None
+                             ) -> list[float]:
+    """Each prompt token's log-probability given the tokens before it (the first has none), from
+    one uncached forward over the whole prompt: what the engine's prompt_logprobs must equal."""
+    device = next(model.parameters()).device
+    attention = CausalAttention(layer_params(model.config), kv_dtype) if kv_dtype is not None else None
+    with torch.inference_mode():
+        logits = model(ForwardBatch.whole(torch.tensor(prompt_ids, device=device), attention=attention)).cpu()
+    lp = torch.log_softmax(logits.float(), -1)
+    return [float(lp[i, prompt_ids[i + 1]]) for i in range(len(prompt_ids) - 1)]

@@ -38,10 +38,10 @@ def engine_greedy(llm: LLM, ids: list[int], steps: int):
     run = llm.engine.runner.run
 
     def spy(batch):
-        logits, samplers = run(batch)
-        if samplers:
+        logits, rows = run(batch)
+        if rows.samplers:
             captured.append(logits[0].cpu().clone())
-        return logits, samplers
+        return logits, rows
 
     llm.engine.runner.run = spy
     try:

@@ -126,10 +126,10 @@ def engine_greedy(llm: LLM, prompts: list[list[int]], steps: int):
     run = llm.engine.runner.run
 
     def spy(batch):
-        logits, samplers = run(batch)
-        for row, i in enumerate(samplers):
+        logits, rows = run(batch)
+        for row, i in enumerate(rows.samplers):
             captured.append((batch.seqs[i].request_id, logits[row].clone()))
-        return logits, samplers
+        return logits, rows
 
     llm.engine.runner.run = spy
     try:

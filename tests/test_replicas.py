@@ -59,7 +59,16 @@ def test_two_replicas_behind_one_endpoint(llama_dir):
     texts = prompts(32)
     with run_server(["--model", str(llama_dir), "--served-model-name", "m"]) as url:
         single = asyncio.run(stream_all(url, texts, 24, set()))
-    with run_server(["--model", str(llama_dir), "--served-model-name", "m", "--replicas", "2"], startup_timeout=240) as url:
+    # the clients send api_key "x": the router checks it (and Host, origins, content types) as the single server does
+    with run_server(["--model", str(llama_dir), "--served-model-name", "m", "--replicas", "2", "--api-key", "x"],
+                    startup_timeout=240) as url:
+        key = {"Authorization": "Bearer x"}
+        assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 401
+        assert httpx.get(f"{url}/metrics", timeout=10).status_code == 401
+        assert httpx.get(f"{url}/v1/models", headers=key, timeout=10).status_code == 200
+        assert httpx.post(f"{url}/v1/completions", content=b'{"prompt": "a"}', timeout=10,
+                          headers={**key, "Content-Type": "text/plain"}).status_code == 415
+        assert httpx.get(f"{url}/health", headers={"Host": "attacker.example"}, timeout=10).status_code == 403
         got = asyncio.run(stream_all(url, texts, 24, leave_after={3, 9, 14, 20, 27}))
         for i, (a, b) in enumerate(zip(got, single)):
             assert a is None or a == b, i
@@ -67,7 +76,7 @@ def test_two_replicas_behind_one_endpoint(llama_dir):
 
         deadline = time.monotonic() + 30
         while True:  # the disconnected requests are aborted and every block freed, on both replicas
-            text = httpx.get(f"{url}/metrics", timeout=10).text
+            text = httpx.get(f"{url}/metrics", headers=key, timeout=10).text
             used, steps = per_replica(text, "nanoinfer_kv_cache_blocks_used"), per_replica(text, "nanoinfer_engine_steps_total")
             if set(used) == {"0", "1"} and not any(used.values()) or time.monotonic() > deadline:
                 break

@@ -157,3 +157,30 @@ def test_narrow_screen(browser, server, tmp_path):
     assert shot.stat().st_size > 1000
     shutil.copy(shot, SHOTS / "chat-375.png")
     context.close()
+
+
+def test_the_page_asks_for_the_api_key(browser, long_reply_model):
+    """A server with --api-key: the page's first call gets a 401, asks for the key (a prompt
+    dialog), keeps it, and then works; a wrong key is asked again."""
+    with run_server(["--model", str(long_reply_model), "--kv-cache-memory", "16M", "--api-key", "page-key",
+                     "--log-level", "warning"]) as url:
+        context = browser.new_context()
+        page = context.new_page()
+        answers = iter(["wrong-key", "page-key"])
+        asked = []
+
+        def on_dialog(dialog):
+            asked.append(dialog.message)
+            dialog.accept(next(answers))
+
+        page.on("dialog", on_dialog)
+        page.goto(url)
+        page.wait_for_function("document.getElementById('model').textContent.length > 0")
+        assert len(asked) == 2 and "API key" in asked[0]
+        assert page.evaluate("localStorage.getItem('nanoinfer-api-key')") == "page-key"
+        set_settings(page, max_tokens=4)
+        page.fill("#input", "Hello there!")
+        page.click("#send")
+        page.wait_for_selector('.msg.assistant[data-state="done"]', timeout=30_000)
+        assert len(asked) == 2  # the kept key was sent: no more asking
+        context.close()

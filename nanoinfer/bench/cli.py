@@ -11,7 +11,8 @@ from ..cli_args import add_engine_args, add_model_args, add_speculative_arg, run
 
 def _common(p: argparse.ArgumentParser, peaks: bool = False) -> None:
     # the dtype is picked once the device is known (common.setup)
-    add_model_args(p, dtype=None, dtype_rule="bfloat16 on CUDA, float32 on CPU", max_model_len=False, device=None)
+    add_model_args(p, dtype=None, dtype_rule="bfloat16 on CUDA, float32 on CPU", max_model_len=False, device=None,
+                   threads=False)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="also draw a plot")

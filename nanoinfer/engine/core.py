@@ -24,7 +24,7 @@ from ..distributed.sharding import rank_config
 from ..errors import InvalidRequestError, NanoinferError, RequestFailedError
 from ..kernels.quant_linear import has_block_weights
 from ..models.builder import LoadedModel
-from ..sampling import RowSampler, SamplingParams
+from ..sampling import Logprob, RowSampler, SamplingParams
 from ..spec_decode import NgramProposer, Proposer, SpeculativeConfig, StepTimes, updated_accept_rate, worth_checking
 from ..structured import ConstraintLimits, StructuredOutputs
 from ..tokenizer import IncrementalDetokenizer, StopMatcher
@@ -210,7 +210,7 @@ class LLMEngine:
     def output(self, request_id: str) -> RequestOutput:
         seqs = self.requests[request_id]
         return RequestOutput(request_id, seqs[0].prompt, seqs[0].prompt_ids, [s.completion() for s in seqs],
-                             all(s.finished for s in seqs), [s.stats for s in seqs])
+                             all(s.finished for s in seqs), [s.stats for s in seqs], seqs[0].prompt_logprobs)
 
     def release(self, request_id: str) -> RequestOutput:
         """The final output of a request; the engine forgets it (aborting it if still running)."""
@@ -228,10 +228,14 @@ class LLMEngine:
             return []
         self.cache.copy_blocks(batch.block_copies)
         t0 = time.perf_counter()
-        logits, samplers = self.runner.run(batch)
+        logits, step_rows = self.runner.run(batch)
         # Rows sample on the CPU with their own CPU generators: a seed gives the same tokens on
         # any device. The copy also waits for the device, so `seconds` is the real step time.
         logits = logits.cpu()
+        samplers = step_rows.samplers
+        if step_rows.prompt:  # rows after the sampling ones score prompt tokens
+            self._score_prompts(batch, step_rows.prompt, logits[len(samplers):])
+            logits = logits[:len(samplers)]
         seconds = time.perf_counter() - t0
         if self.proposer is not None and all(n == 1 + len(seq.spec_tokens) for seq, n in zip(batch.seqs, batch.num_tokens)):
             self.step_times.observe(batch.total_tokens, seconds)  # decode rows only
@@ -269,11 +273,18 @@ class LLMEngine:
             row = rows.stop
             if seq.finished:  # its request failed earlier in this step
                 continue
+            if seq.params.max_tokens == 0:  # scoring: the prompt's logprobs are all it asked for
+                for s in (seq, *seq.forks):
+                    deltas.append(s.finish_scored())
+                    self.scheduler.finish(s)
+                seq.forks = []
+                continue
             # An error here belongs to this request alone (its parameters, its text): it ends
             # with the error and the batch goes on.
             try:
                 for fork in seq.forks:  # they sample their first token from the same logits
                     self.scheduler.fork(seq, fork)
+                    fork.prompt_logprobs = seq.prompt_logprobs  # each sample's first delta carries the prompt's
                     deltas.append(self._sample(fork, logits[rows[0]], argmax[rows[0]]))
                 seq.forks = []
                 if seq.spec_tokens:
@@ -365,6 +376,29 @@ class LLMEngine:
         if not seq.finished:  # the accepted tokens' KV is in the cache; the last token's is not yet
             self.scheduler.advance(seq, min(start + matched, seq.length - 1) - seq.num_computed)
         return deltas
+
+    @staticmethod
+    def _score_prompts(batch, prompt_rows: list[tuple[int, int, int]], logits: torch.Tensor) -> None:
+        """Prompt tokens' logprobs from the rows that predict them, as RowSampler.logprobs reports
+        sampled tokens' (the model's own distribution): the token's, and the top prompt_logprobs."""
+        lp = torch.log_softmax(logits.float(), -1)
+        r = 0
+        for i, first, count in prompt_rows:
+            seq, k = batch.seqs[i], batch.seqs[i].params.prompt_logprobs
+            block, r = lp[r:r + count], r + count
+            targets = torch.tensor(seq.prompt_ids[first + 1:first + 1 + count])
+            chosen = block.gather(1, targets[:, None])[:, 0]
+            ranks = ((block > chosen[:, None]).sum(1) + 1).tolist()
+            top = torch.topk(block, k) if k else None
+            for j, (token, value) in enumerate(zip(targets.tolist(), chosen.tolist())):
+                if first + 1 + j != len(seq.prompt_logprobs):  # scored already (computed again after a preemption)
+                    continue
+                entry: dict[int, Logprob] = {}
+                if top is not None:
+                    for rank, (v, t) in enumerate(zip(top.values[j].tolist(), top.indices[j].tolist()), 1):
+                        entry[t] = Logprob(v, rank)
+                entry.setdefault(token, Logprob(value, ranks[j]))
+                seq.prompt_logprobs.append(entry)
 
     def _fail(self, request_id: str, error: Exception) -> None:
         """End a request alone. Its own doing (an InvalidRequestError: its constraint failed) is

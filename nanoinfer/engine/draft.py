@@ -33,6 +33,7 @@ class DraftSequence:
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # leading tokens whose draft KV is valid
     spec_tokens: list[int] = field(default_factory=list)  # always empty: the draft does not speculate
+    wants_prompt_logprobs = False  # nor score prompts
 
     @property
     def length(self) -> int:

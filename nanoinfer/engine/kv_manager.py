@@ -111,11 +111,12 @@ class BlockManager:
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= self.num_free
 
-    def allocate_prompt(self, table: list[int], tokens: list[int]) -> int:
+    def allocate_prompt(self, table: list[int], tokens: list[int], lookup: bool = True) -> int:
         """Fill an empty block table with the cached prefix of `tokens`. Returns the
-        number of tokens whose KV is already there."""
+        number of tokens whose KV is already there. lookup=False: none (a request that wants
+        every prompt position's logits computes them all, as vLLM does)."""
         assert not table
-        hits = self.match_prefix(tokens)
+        hits = self.match_prefix(tokens) if lookup else []
         for bid in hits:
             self._ref(bid)
         table.extend(hits)

@@ -1,6 +1,8 @@
 """Batch -> tensors -> one forward -> logits for the rows that sample."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 
@@ -9,6 +11,16 @@ from ..config import ModelConfig
 from ..distributed.executor import TensorParallelExecutor
 from ..models.batch import ForwardBatch
 from .batch import ScheduledBatch
+
+
+@dataclass
+class StepRows:
+    """Which sequence each row of a step's logits belongs to: first the sampling rows (a
+    sequence with proposed tokens has 1 + k, in order), then rows whose logits score prompt
+    tokens (`prompt`: sequence index, first position, count; position p's row predicts prompt
+    token p + 1)."""
+    samplers: list[int] = field(default_factory=list)
+    prompt: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -25,10 +37,9 @@ class ModelRunner:
         # Models that mix in the previous token (nanochat's smear) get its id for every position.
         self.needs_prev_ids = getattr(model, "needs_prev_ids", False)
 
-    def build(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[int]]:
+    def build(self, batch: ScheduledBatch) -> tuple[ForwardBatch, StepRows]:
         """Flatten the batch into one forward, and say which sequences (indices into
-        batch.seqs) the logits rows belong to (a sequence with proposed tokens has 1 + k rows,
-        in order)."""
+        batch.seqs) the logits rows belong to."""
         bs = self.cache.block_size
         per_row = self.attention.every_row_reads_the_cache  # every row a one-row query up to its position
         ids: list[int] = []
@@ -38,7 +49,8 @@ class ModelRunner:
         row_seqs: list[int] = []  # sequences whose rows are one-row queries
         row_starts: list[int] = []
         logits_rows: list[int] = []
-        samplers: list[int] = []
+        rows = StepRows()
+        prompt_rows: list[int] = []
         prev: list[int] = []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             start = seq.num_computed
@@ -58,7 +70,12 @@ class ModelRunner:
                                              torch.tensor(table[:-(-(start + n) // bs)], device=self.device)))
             if start + n - spec == seq.length:  # caught up with its tokens: it samples the next one(s)
                 logits_rows.extend(range(len(ids) - 1 - spec, len(ids)))
-                samplers.extend([i] * (1 + spec))
+                rows.samplers.extend([i] * (1 + spec))
+            if seq.wants_prompt_logprobs:  # positions whose next token is a prompt token not yet scored
+                first, end = max(start, len(seq.prompt_logprobs) - 1), min(start + n, len(seq.prompt_ids) - 1)
+                if end > first:
+                    rows.prompt.append((i, first, end - first))
+                    prompt_rows.extend(range(q_start + first - start, q_start + end - start))
         meta = PagedMetadata(torch.tensor(slots, device=self.device), prefills, None, None, None)
         if row_seqs:
             meta.decode_rows = (torch.arange(len(ids), device=self.device) if per_row
@@ -66,10 +83,10 @@ class ModelRunner:
             meta.decode_tables, meta.decode_ctx, meta.decode_max_ctx = self._row_metadata(batch, row_seqs)
         forward = ForwardBatch(
             torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), self.attention, meta,
-            torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+            torch.tensor(logits_rows + prompt_rows, dtype=torch.long, device=self.device),
             torch.tensor(prev, device=self.device) if self.needs_prev_ids else None,
         )
-        return forward, samplers
+        return forward, rows
 
     def _row_metadata(self, batch: ScheduledBatch, which: list[int]):
         """For every row of the sequences `which` (in order): its sequence's block table
@@ -85,9 +102,9 @@ class ModelRunner:
                 torch.tensor(ctx, device=self.device).unsqueeze(1), max(ctx))
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
-        """Returns logits [num_sampling, vocab] (fp32) and the batch indices they belong to."""
-        forward, samplers = self.build(batch)
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, StepRows]:
+        """Returns logits [rows, vocab] (fp32) and whose rows they are."""
+        forward, rows = self.build(batch)
         if self.executor is not None:
             self.executor.step(batch.block_copies, forward)
-        return self.model(forward), samplers
+        return self.model(forward), rows

@@ -105,7 +105,8 @@ class Scheduler:
             if self.num_seats() + 1 + len(seq.forks) > self.config.max_num_seqs:
                 break  # its n-1 forks join the running set after its prefill: they count from now
             if not seq.block_table:
-                seq.num_computed = self.blocks.allocate_prompt(seq.block_table, seq.all_ids)
+                seq.num_computed = self.blocks.allocate_prompt(seq.block_table, seq.all_ids,
+                                                               lookup=not seq.wants_prompt_logprobs)
             n = min(seq.length - seq.num_computed, budget)
             # A paused sequence's blocks are the first to give up for one that can run.
             while not self.blocks.can_allocate(self._blocks_for(seq, n)) and any(s.paused for s in self.running):

@@ -103,6 +103,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     token_masks: list[int] = field(default_factory=list)  # 1 sampled, 0 forced (tool output)
+    violations: list[str] | None = None  # a relaxed JSON schema's keywords the output breaks
 
 
 @dataclass
@@ -113,6 +114,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     stats: list[RequestStats] = field(default_factory=list)  # one per sample
+    # With prompt_logprobs: per prompt token (the first None), the token's logprob and the top ones
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass
@@ -127,6 +130,8 @@ class StreamDelta:
     finish_reason: str | None = None
     logprobs: list[dict[int, Logprob]] | None = None
     token_masks: list[int] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # on sample 0's first delta, if asked for
+    violations: list[str] | None = None  # on the last delta: what the output breaks of a relaxed schema
 
 
 @dataclass
@@ -162,6 +167,9 @@ class Sequence:
     num_preemptions: int = 0
     forks: list[Sequence] = field(default_factory=list)  # samples 1..n-1, forked after this one's prefill
     paused: bool = False  # its reader is behind: not scheduled (its blocks kept) until it catches up
+    # With params.prompt_logprobs: one entry per prompt token so far (the first None: nothing predicts it)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_sent: bool = False  # handed out with a delta already
     stats: RequestStats = field(init=False)
     stop_ids: frozenset[int] = field(init=False)  # params.stop_token_ids, looked up every token
 
@@ -170,6 +178,13 @@ class Sequence:
         self.stats = RequestStats(len(self.prompt_ids))
         if self.params.logprobs is not None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.index == 0:  # the samples share one prompt
+            self.prompt_logprobs = [None]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Still needs the logits of prompt positions (each predicts the next prompt token)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
 
     @property
     def finished(self) -> bool:
@@ -262,15 +277,31 @@ class Sequence:
         self.stats.finished = time.perf_counter()
         return self.delta("", [], None)
 
+    def finish_scored(self) -> StreamDelta:
+        """max_tokens 0: the prompt was scored; nothing is generated."""
+        self.finish_cause = FinishCause.MAX_TOKENS
+        self.stats.finished = time.perf_counter()
+        return self.delta("", [], None)
+
     def delta(self, text: str, token_ids: list[int], logprobs) -> StreamDelta:
+        prompt_logprobs = None
+        if self.prompt_logprobs is not None and not self.prompt_logprobs_sent and not self.wants_prompt_logprobs:
+            prompt_logprobs, self.prompt_logprobs_sent = self.prompt_logprobs, True
         return StreamDelta(self.request_id, self.index, text, token_ids, self.finished,
                            self.finish_cause.finish_reason if self.finished else None,
                            [logprobs] if logprobs is not None else None,
-                           self.output_mask[len(self.output_mask) - len(token_ids):])
+                           self.output_mask[len(self.output_mask) - len(token_ids):], prompt_logprobs,
+                           self.violations() if self.finished else None)
+
+    def violations(self) -> list[str] | None:
+        if self.grammar is None or self.finish_cause in (FinishCause.ABORT, None):
+            return None
+        return self.grammar.violations(self.text)
 
     def completion(self) -> CompletionOutput:
         return CompletionOutput(
             self.index, self.text, list(self.output_ids),
             self.finish_cause.finish_reason if self.finished else None, self.finish_cause, self.stop_reason,
             self.logprobs, self.cumulative_logprob if self.logprobs is not None else None, list(self.output_mask),
+            self.violations(),
         )

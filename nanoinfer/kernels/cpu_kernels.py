@@ -114,7 +114,9 @@ def library() -> ctypes.CDLL | None:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError:  # no writable cache (a read-only home): build for this process only, in a private dir
             path = Path(tempfile.mkdtemp(prefix="nanoinfer-kernels-")) / name
-        if not path.exists():
+        if not path.exists():  # a first run on this machine: tens of seconds, say so
+            print(f"nanoinfer: building the CPU kernels for this machine (once; cached in {path.parent}) ...",
+                  file=sys.stderr, flush=True)
             err = _compile(compiler, path)
             if err:
                 print(f"nanoinfer: building the CPU kernels failed ({err}); using the PyTorch paths",

@@ -39,6 +39,10 @@ class StructuredOutputsParams:
     # A JSON value still open when the token budget nears its end is closed by the shortest
     # valid route rather than cut off (structured/budget.py): finish_reason "stop", valid JSON.
     close_within_budget: bool = True
+    # A JSON schema keyword the grammar engine cannot enforce while decoding (uniqueItems,
+    # contains, not, an unknown format, ...) is relaxed for decoding and checked on the finished
+    # output, which reports what it violates; strict=True refuses such a schema instead.
+    strict: bool = False
 
     def __post_init__(self) -> None:
         given = [k for k in ("json", "regex", "choice", "grammar", "json_object")
@@ -81,7 +85,7 @@ class StructuredOutputsParams:
         if len(text) > MAX_CONSTRAINT_CHARS:
             raise InvalidRequestError(f"the {kind} constraint is longer than {MAX_CONSTRAINT_CHARS} characters",
                                       param=param)
-        for flag in ("disable_any_whitespace", "disable_additional_properties", "close_within_budget"):
+        for flag in ("disable_any_whitespace", "disable_additional_properties", "close_within_budget", "strict"):
             if not isinstance(getattr(self, flag), bool):
                 raise InvalidRequestError(f"{flag} must be true or false", param=f"structured_outputs.{flag}")
         self._kind, self._text = kind, text
@@ -94,7 +98,8 @@ class StructuredOutputsParams:
     @property
     def key(self) -> str:
         """What identifies the compiled grammar (the cache key)."""
-        return f"{self._kind}:{int(self.disable_any_whitespace)}{int(self.disable_additional_properties)}:{self._text}"
+        return (f"{self._kind}:{int(self.disable_any_whitespace)}{int(self.disable_additional_properties)}"
+                f"{int(self.strict)}:{self._text}")
 
 
 @dataclass
@@ -114,6 +119,8 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N alternatives per sampled token (OpenAI semantics)
+    prompt_logprobs: int | None = None  # top-N alternatives per prompt token (vLLM's; 0: the token's own only)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's)
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # a dict is taken as its fields
 
@@ -129,6 +136,11 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.logit_bias, dict):  # OpenAI sends the ids as JSON object keys: strings
+            try:
+                self.logit_bias = {int(k): v for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise InvalidRequestError("logit_bias keys must be token ids", param="logit_bias") from None
         if isinstance(self.structured_outputs, dict):
             try:
                 self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
@@ -148,8 +160,14 @@ class SamplingParams:
             ("frequency_penalty", num("frequency_penalty", -2.0, 2.0), "must be in [-2, 2]"),
             ("repetition_penalty", num("repetition_penalty", 0.0, 10.0) and self.repetition_penalty > 0.0,
              "must be in (0, 10]"),
-            ("max_tokens", self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-             "must be an integer >= 1"),
+            ("max_tokens", self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1)
+             or (self.max_tokens == 0 and self.scoring), "must be an integer >= 1 (0 only with prompt_logprobs: scoring)"),
+            ("prompt_logprobs", self.prompt_logprobs is None
+             or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20), "must be in [0, 20]"),
+            ("logit_bias", self.logit_bias is None or (isinstance(self.logit_bias, dict) and len(self.logit_bias) <= 1024
+                                                       and all(_number(b) and -100 <= b <= 100
+                                                               for b in self.logit_bias.values())),
+             "must map at most 1024 token ids to numbers in [-100, 100]"),
             ("min_tokens", isinstance(self.min_tokens, int) and self.min_tokens >= 0
              and (self.max_tokens is None or self.min_tokens <= self.max_tokens), "must be in [0, max_tokens]"),
             ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
@@ -174,10 +192,24 @@ class SamplingParams:
         if bad is not None:
             raise InvalidRequestError(f"stop_token_ids: {bad} is outside the vocabulary [0, {vocab_size})",
                                       param="stop_token_ids")
+        bad = next((t for t in (self.logit_bias or ()) if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab_size})",
+                                      param="logit_bias")
+
+    @property
+    def scoring(self) -> bool:
+        """Asks for the prompt's logprobs: max_tokens may be 0 (score the prompt, generate nothing)."""
+        return self.prompt_logprobs is not None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def changes_logits(self) -> bool:
+        """Penalties or a logit bias: the row's logits change before its token is chosen."""
+        return self.uses_penalties or bool(self.logit_bias)
 
     @property
     def uses_penalties(self) -> bool:

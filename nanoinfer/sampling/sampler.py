@@ -1,5 +1,5 @@
-"""The per-row sampler: penalties, temperature, min_p / top_k / top_p, a draw from the
-row's own generator, and the logprobs users see."""
+"""The per-row sampler: logit bias, penalties, temperature, min_p / top_k / top_p, a draw from
+the row's own generator, and the logprobs users see."""
 from __future__ import annotations
 
 import random
@@ -29,6 +29,8 @@ class RowSampler:
     generator: torch.Generator = field(init=False)
     counts: torch.Tensor | None = field(init=False, default=None)
     prompt_mask: torch.Tensor | None = field(init=False, default=None)
+    bias_ids: torch.Tensor | None = field(init=False, default=None)  # logit_bias as two tensors
+    bias_values: torch.Tensor | None = field(init=False, default=None)
     num_generated: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -39,12 +41,15 @@ class RowSampler:
             self.prompt_mask = torch.zeros(self.vocab_size, dtype=torch.bool)
             ids = torch.tensor([i for i in self.prompt_ids if i < self.vocab_size], dtype=torch.long)
             self.prompt_mask[ids] = True
+        if self.params.logit_bias:
+            self.bias_ids = torch.tensor(list(self.params.logit_bias), dtype=torch.long)
+            self.bias_values = torch.tensor(list(self.params.logit_bias.values()), dtype=torch.float32)
 
     @property
     def takes_argmax(self) -> bool:
         """Greedy with nothing that changes the logits first: the row's token is its argmax,
         which the engine takes for all such rows in one reduction."""
-        return self.params.greedy and self.counts is None and not (
+        return self.params.greedy and not self.params.changes_logits and not (
             self.num_generated < self.params.min_tokens and self.banned_until_min_tokens)
 
     def sample(self, logits: torch.Tensor, argmax: int | None = None) -> tuple[int, dict[int, Logprob] | None]:
@@ -64,9 +69,12 @@ class RowSampler:
         return token, (self.logprobs(raw, token) if p.logprobs is not None else None)
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
-        """Penalties and the min_tokens ban. In float64 when penalties apply: a repetition
-        penalty of 1e-38 divides a logit of 5 to 5e38, past float32's range."""
+        """The logit bias (OpenAI's: added to the logits, a masked token stays -inf), penalties
+        and the min_tokens ban. In float64 when penalties apply: a repetition penalty of 1e-38
+        divides a logit of 5 to 5e38, past float32's range."""
         p = self.params
+        if self.bias_ids is not None:
+            logits = logits.index_add(0, self.bias_ids, self.bias_values)
         if self.counts is not None:
             logits = logits.double()
             if p.repetition_penalty != 1.0:

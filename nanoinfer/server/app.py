@@ -32,6 +32,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from ..engine import LLMEngine
 from ..engine.async_engine import AsyncEngine
 from ..errors import InvalidRequestError
+from .access import AccessMiddleware
 from .metrics import ServerMetrics
 from .protocol import (
     APIError,
@@ -42,7 +43,7 @@ from .protocol import (
     message_dicts,
     parse_request,
 )
-from .serving import ClientGone, ServerConfig, Serving, as_api_error
+from .serving import ClientGone, Reply, ServerConfig, Serving, as_api_error
 
 logger = logging.getLogger("nanoinfer.server")
 STATIC = Path(__file__).parent / "static"
@@ -59,9 +60,9 @@ class SSEResponse(StreamingResponse):
     connection is then closed), `aclose()` runs the generator's cleanup, which aborts the engine
     request."""
 
-    def __init__(self, content, send_timeout: float):
+    def __init__(self, content, send_timeout: float, headers: dict[str, str] | None = None):
         super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
         self.send_timeout = send_timeout
 
     async def __call__(self, scope, receive, send) -> None:
@@ -136,6 +137,7 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     # No /docs: Swagger UI loads from a CDN, and this server loads nothing from outside.
     app = FastAPI(title="nanoinfer", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(AccessMiddleware, policy=config.access)
     app.state.serving = serving
     app.state.async_engine = async_engine
 
@@ -160,8 +162,10 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
             return await asyncio.to_thread(parse_request, model, raw)
         return parse_request(model, raw)
 
-    def respond(result):
-        return SSEResponse(result, config.client_read_timeout) if not isinstance(result, dict) else JSONResponse(result)
+    def respond(reply: Reply):
+        if isinstance(reply.content, dict):
+            return JSONResponse(reply.content, headers=reply.headers)
+        return SSEResponse(reply.content, config.client_read_timeout, reply.headers)
 
     # --- OpenAI ----------------------------------------------------------------------
     @app.post("/v1/completions")
@@ -180,12 +184,20 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         except ClientGone:
             return Response(status_code=499)
 
+    def model_card() -> dict:
+        return {"id": config.model_name, "object": "model", "created": started, "owned_by": "nanoinfer",
+                "max_model_len": engine.max_model_len,
+                # native: the chat template lists tools; injected: the server writes them into the prompt
+                "tool_calling": "native" if tokenizer.native_tools else "injected"}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": config.model_name, "object": "model", "created": started, "owned_by": "nanoinfer",
-            "max_model_len": engine.max_model_len,
-        }]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        serving.check_model(model_id)
+        return model_card()
 
     # --- operations ------------------------------------------------------------------
     @app.get("/health")
@@ -215,7 +227,8 @@ def create_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
                 if not req.messages:
                     raise APIError("messages must be a non-empty list", "messages")
                 tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-                ids = await serving.encode(tokenizer.encode_chat, message_dicts(req.messages),
+                messages, tools = serving.template_input(message_dicts(req.messages), tools)
+                ids = await serving.encode(tokenizer.encode_chat, messages,
                                            add_generation_prompt=req.add_generation_prompt, tools=tools,
                                            parse_special=req.parse_special is True, **(req.chat_template_kwargs or {}))
         except InvalidRequestError as e:

@@ -31,6 +31,16 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--served-model-name", default=None,
                    help="the name clients send as `model` (default: the model file's or folder's name)")
+    acc = p.add_argument_group("access (docs/serving.md)")
+    acc.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                     help="require 'Authorization: Bearer KEY' on every route but /health and the page (repeat for "
+                          "several keys; also NANOINFER_API_KEY, comma-separated)")
+    acc.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGIN",
+                     help="web origins whose pages may call the API (CORS), e.g. http://localhost:3000; '*' for any "
+                          "(default: none but the server's own page)")
+    acc.add_argument("--allowed-hosts", action="append", default=None, metavar="HOST",
+                     help="Host names answered besides the loopback ones when bound to a loopback address "
+                          "(default: localhost, 127.0.0.1, [::1]); when bound elsewhere: the only ones answered")
     lim = p.add_argument_group("request limits")
     lim.add_argument("--max-n", type=positive_int, default=16, help="largest n (default 16)")
     lim.add_argument("--max-tokens-limit", type=positive_int, default=None,
@@ -83,13 +93,16 @@ def cmd_serve(a: argparse.Namespace) -> int:
               speculative_config=a.speculative_config, **engine_kwargs(a))
     lm = llm.loaded
     name = a.served_model_name or default_name(lm.path)
+    access = access_policy(a)
+    tools = "native" if llm.tokenizer.native_tools else "injected (the template does not list tools)"
     print(f"[{lm.path.name}: {lm.format}, {lm.config.architecture}, context {llm.max_model_len}, "
-          f"{llm.engine.blocks.num_free} KV blocks, loaded in {lm.load_seconds:.1f}s; serving as {name!r} "
-          f"on http://{a.host}:{a.port}]", file=sys.stderr, flush=True)
+          f"{llm.engine.blocks.num_free} KV blocks, loaded in {lm.load_seconds:.1f}s; tool calling {tools}; "
+          f"serving as {name!r} on http://{a.host}:{a.port}{' (API key required)' if access.api_keys else ''}]",
+          file=sys.stderr, flush=True)
     config = ServerConfig(model_name=name, max_n=a.max_n, max_tokens_limit=a.max_tokens_limit,
                           max_request_bytes=a.max_request_bytes, max_prompts=a.max_prompts,
                           shutdown_timeout=a.shutdown_timeout, header_timeout=a.header_timeout,
-                          client_read_timeout=a.client_read_timeout)
+                          client_read_timeout=a.client_read_timeout, access=access)
     # uvicorn shuts down gracefully on SIGTERM, then raises it again for the previous handler:
     # make that an ordinary exit (status 0) rather than death by signal.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -100,6 +113,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
     finally:
         llm.close()  # the other tensor-parallel ranks, if any
     return 0
+
+
+def access_policy(a: argparse.Namespace):
+    from .access import AccessPolicy
+    return AccessPolicy.of(a.host, a.api_key, [o for v in a.allowed_origins or [] for o in v.split(",") if o],
+                           [h for v in a.allowed_hosts or [] for h in v.split(",") if h])
 
 
 def _serve_replicas(a: argparse.Namespace) -> int:
@@ -115,7 +134,7 @@ def _serve_replicas(a: argparse.Namespace) -> int:
                   shutdown_timeout=a.shutdown_timeout, header_timeout=a.header_timeout,
                   client_read_timeout=a.client_read_timeout)
     settings = ReplicaSettings(a.model and str(Path(a.model).resolve()), a.dtype, a.max_model_len, engine_kwargs(a),
-                               server, a.replicas, a.speculative_config)
+                               server, a.replicas, a.speculative_config, access_policy(a))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     serve_replicas(settings, a.host, a.port, a.ray_address, a.routing)
     return 0

@@ -87,8 +87,9 @@ def tool_call_constraint(tools: list[dict], tool_choice: Any, tokenizer: Tokeniz
     """Valid calls of the offered tools (tool_choice "required": one or more of any; a named
     function: one call of it) in the format the model's chat template teaches:
     `<tool_call>{...}</tool_call>` blocks where the template uses them (Hermes, Qwen), else a
-    JSON object {"name", "arguments"} or a list of them, as vLLM does. The server's tool-call
-    parser reads either back."""
+    JSON object {"name", "arguments"} or a list of them, as vLLM does (also where the server
+    wrote the tools in: the JSON form gets the budget rule that closes it before max_tokens).
+    The server's tool-call parser reads either back."""
     if isinstance(tool_choice, dict):
         name = tool_choice["function"]["name"]
         chosen, one = [t for t in tools if t["function"]["name"] == name], True

@@ -70,17 +70,25 @@ class CompletionLogprobs:
     def __init__(self, tt: TokenText, offset: int = 0):
         self.tt, self.offset = tt, offset
 
-    def prompt(self, token_ids: list[int]) -> dict:
-        """Echoed prompt tokens: no logprobs (the engine computes none for the prompt)."""
+    def prompt(self, token_ids: list[int], logprobs: list[dict[int, Logprob] | None] | None) -> dict:
+        """Echoed prompt tokens with their logprobs (the first has none: nothing predicts it), or
+        all None when the engine computed none."""
         out = self._empty()
-        for token in token_ids:
+        for j, token in enumerate(token_ids):
             s = self.tt.text(token)
+            entry = logprobs[j] if logprobs is not None and j < len(logprobs) else None
             out["tokens"].append(s)
-            out["token_logprobs"].append(None)
-            out["top_logprobs"].append(None)
+            out["token_logprobs"].append(None if entry is None else _lp(entry[token].logprob))
+            out["top_logprobs"].append(None if entry is None else self._top(entry))
             out["text_offset"].append(self.offset)
             self.offset += len(s)
         return out
+
+    def _top(self, entry: dict[int, Logprob]) -> dict[str, float]:
+        top: dict[str, float] = {}
+        for i, lp in sorted(entry.items(), key=lambda kv: kv[1].rank):  # the same text twice: keep the likelier
+            top.setdefault(self.tt.text(i), _lp(lp.logprob))
+        return top
 
     def add(self, token_ids: list[int], masks: list[int], logprobs) -> dict:
         out = self._empty()
@@ -89,11 +97,7 @@ class CompletionLogprobs:
             if entry is not None:
                 out["tokens"].append(s)
                 out["token_logprobs"].append(_lp(entry[token].logprob))
-                ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)
-                top: dict[str, float] = {}
-                for i, lp in ranked:  # tokens with the same text (e.g. partial characters): keep the likelier
-                    top.setdefault(self.tt.text(i), _lp(lp.logprob))
-                out["top_logprobs"].append(top)
+                out["top_logprobs"].append(self._top(entry))
                 out["text_offset"].append(self.offset)
             self.offset += len(s)
         return out
@@ -124,3 +128,15 @@ def chat_logprobs(tt: TokenText, token_ids: list[int], masks: list[int], logprob
                              for i, lp in ranked[:top_n]],
         })
     return content
+
+
+def vllm_prompt_logprobs(tt: TokenText, token_ids: list[int], logprobs: list[dict[int, Logprob] | None] | None
+                         ) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}} for the token itself and the top alternatives asked for."""
+    if logprobs is None:
+        return None
+    return [None if entry is None else {str(i): {"logprob": _lp(lp.logprob), "rank": lp.rank,
+                                                 "decoded_token": tt.text(i)}
+                                        for i, lp in sorted(entry.items(), key=lambda kv: kv[1].rank)}
+            for entry in logprobs]

@@ -1,9 +1,13 @@
 """The OpenAI-compatible request bodies, and the error body every failure is answered with.
 
 Requests are pydantic models in strict mode: a number where a string belongs (or "1" where a
-number belongs, or true where an integer belongs) is refused, not coerced. Fields this server
-does not know are ignored, as OpenAI's own SDK sends a few. Ranges (temperature, top_p, ...)
-are checked once, by SamplingParams, and its error names the field. A body nested deeper than
+number belongs, or true where an integer belongs) is refused, not coerced. Every field is
+honoured or refused: OpenAI's fields that change nothing by their nature (NO_EFFECT) are
+accepted, the ones that would change the output but are not implemented here
+(NOT_IMPLEMENTED) are a 400 naming them, and any other unknown field is ignored and logged once
+per name. Ranges (temperature, top_p, ...) are checked once, by SamplingParams, and its error
+names the field. `code` says what kind of error (`invalid_type`, `invalid_value`,
+`missing_required_parameter`, `unsupported_parameter`, `context_length_exceeded`, ...). A body nested deeper than
 MAX_JSON_DEPTH, or with a lone UTF-16 surrogate in a string, is refused by name. Parsing is
 linear in the body's size whatever the body holds (a hostile one must not cost more than a
 large honest one).
@@ -11,6 +15,7 @@ large honest one).
 from __future__ import annotations
 
 import json
+import logging
 import re
 from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
@@ -19,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, PlainValidator, ValidationError
 from pydantic_core import PydanticCustomError
 
 MAX_JSON_DEPTH = 128  # nesting levels of a request body (serde_json's limit); deeper is a 400
+logger = logging.getLogger("nanoinfer.server")
 
 
 class APIError(Exception):
@@ -27,6 +33,8 @@ class APIError(Exception):
     def __init__(self, message: str, param: str | None = None, status: int = 400,
                  type: str = "invalid_request_error", code: str | None = None):
         super().__init__(message)
+        if code is None and status == 400:  # a value the request got wrong, unless said more exactly
+            code = "invalid_value"
         self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
 
     def body(self) -> dict:
@@ -37,11 +45,53 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
+class Request(Strict):
+    """A request body: its unknown fields are kept (model_extra) so that check_fields can sort them."""
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
+# OpenAI's request fields that change nothing here by their nature: accepted.
+NO_EFFECT = {
+    "user": "a caller's id, for abuse monitoring",
+    "store": "whether OpenAI keeps the completion",
+    "metadata": "tags for OpenAI's dashboard",
+    "service_tier": "OpenAI's processing tier",
+    "prompt_cache_key": "a cache hint (the prefix cache finds shared prefixes by their tokens)",
+    "safety_identifier": "a caller's id, for abuse monitoring",
+    "parallel_tool_calls": "several calls in one reply are always parsed",
+}
+# OpenAI's fields that would change the output, not implemented: a 400 naming them.
+NOT_IMPLEMENTED = {
+    "audio": "audio output", "prediction": "predicted outputs", "web_search_options": "web search",
+    "functions": "the deprecated functions (send tools)", "function_call": "the deprecated function_call (send tool_choice)",
+    "reasoning_effort": "reasoning effort (no reasoning model is served)", "verbosity": "verbosity",
+    "best_of": "best_of (generate n and return them all instead)",
+}
+_logged_unknown: set[str] = set()
+
+
+def check_fields(req: Request, endpoint: str) -> None:
+    """Refuse what would be a silent no-op; log once each field nobody here knows."""
+    for name, value in (req.model_extra or {}).items():
+        if name in NO_EFFECT or value is None:
+            continue
+        if name == "modalities" and value == ["text"]:
+            continue
+        if name == "best_of" and value == getattr(req, "n", 1):
+            continue
+        if name in NOT_IMPLEMENTED or name == "modalities":
+            what = NOT_IMPLEMENTED.get(name, "output modalities other than text")
+            raise APIError(f"{name}: {what} is not supported by this server", name, code="unsupported_parameter")
+        if name not in _logged_unknown:
+            _logged_unknown.add(name)
+            logger.warning("%s: unknown request field %r ignored (logged once)", endpoint, name)
+
+
 class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class SamplingFields(Strict):
+class SamplingFields(Request):
     """What completions and chat share; None means "the default" (OpenAI's SDK omits unset fields,
     other clients send null)."""
 
@@ -69,7 +119,8 @@ class SamplingFields(Strict):
     guided_grammar: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: Any = None  # accepted and ignored
+    logit_bias: dict[str, int | float] | None = None  # token id (as JSON keys are strings) -> bias in [-100, 100]
+    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs, with this many alternatives
 
 
 def _prompt(value: Any) -> Any:
@@ -87,6 +138,7 @@ class CompletionRequest(SamplingFields):
     prompt: Annotated[str | list[str] | list[int] | list[list[int]], PlainValidator(_prompt)]
     logprobs: int | None = None
     echo: bool = False
+    suffix: str | None = None  # fill-in-the-middle: the text after the completion
     parse_special: bool = True  # special-token text in the prompt ("<|fim_prefix|>") becomes the token
 
 
@@ -144,10 +196,12 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | dict | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
+    add_generation_prompt: bool = True  # vLLM's: the template's opening of the assistant's turn
+    continue_final_message: bool = False  # vLLM's: the last (assistant) message is continued, not closed
     parse_special: bool = False  # special-token text in messages becomes the token (default: stays text)
 
 
-class TokenizeRequest(Strict):
+class TokenizeRequest(Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -158,7 +212,7 @@ class TokenizeRequest(Strict):
     parse_special: bool | None = None  # default: as completions (prompt) or chat (messages) do
 
 
-class DetokenizeRequest(Strict):
+class DetokenizeRequest(Request):
     model: str | None = None
     tokens: list[int]
 
@@ -211,7 +265,8 @@ def _field_path(model: type[BaseModel], path: list) -> str | None:
 
 def _too_deep(model: type[BaseModel], path: list) -> APIError:
     param = _field_path(model, path)
-    return APIError(f"{param or 'the request body'}: nested more than {MAX_JSON_DEPTH} levels deep", param)
+    return APIError(f"{param or 'the request body'}: nested more than {MAX_JSON_DEPTH} levels deep", param,
+                    code="invalid_value")
 
 
 def _check_value(model: type[BaseModel], data: Any) -> None:
@@ -234,7 +289,7 @@ def _check_value(model: type[BaseModel], data: Any) -> None:
             if _SURROGATE.search(value):
                 param = _field_path(model, spelled(link))
                 raise APIError(f"{param or 'the request body'}: a lone UTF-16 surrogate (\\ud800-\\udfff) "
-                               "is not valid Unicode", param)
+                               "is not valid Unicode", param, code="invalid_value")
             continue
         if depth >= MAX_JSON_DEPTH:
             raise _too_deep(model, spelled(link))
@@ -285,9 +340,9 @@ def parse_request(model: type[Strict], body: bytes) -> Any:
     except RecursionError:  # deeper than the interpreter's recursion limit: far past ours
         raise _too_deep(model, _deep_path(text)) from None
     except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(f"the request body is not valid JSON: {e}") from None
+        raise APIError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
-        raise APIError("the request body must be a JSON object")
+        raise APIError("the request body must be a JSON object", code="invalid_json")
     if text.count("[") + text.count("{") > MAX_JSON_DEPTH or _SURROGATE_ESCAPE.search(text):
         _check_value(model, data)  # else neither can be there: no walk
     try:
@@ -301,21 +356,27 @@ def parse_request(model: type[Strict], body: bytes) -> Any:
                 p, t = _param(err["loc"])
                 if p == param and t and t[0] not in expected:
                     expected.append(t[0])
-            raise APIError(f"{param}: wrong type (expected one of: {', '.join(expected)})", param) from None
-        what = errors[0]["msg"]
+            raise APIError(f"{param}: wrong type (expected one of: {', '.join(expected)})", param,
+                           code="invalid_type") from None
+        what, code = errors[0]["msg"], "invalid_type"
         if errors[0]["type"] == "missing":
-            what = "this field is required"
+            what, code = "this field is required", "missing_required_parameter"
         elif errors[0]["type"] == "literal_error" and "ctx" in errors[0]:
-            what = f"must be one of {errors[0]['ctx'].get('expected')}"
-        raise APIError(f"{param or 'body'}: {what}", param) from None
+            what, code = f"must be one of {errors[0]['ctx'].get('expected')}", "invalid_value"
+        elif errors[0]["type"] == "wrong_type":
+            code = "invalid_type"
+        raise APIError(f"{param or 'body'}: {what}", param, code=code) from None
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:
     """Messages as the chat template wants them: text parts joined into one string, tool call
-    arguments as objects (templates `tojson` them; OpenAI sends them as JSON strings)."""
+    arguments as objects (templates `tojson` them; OpenAI sends them as JSON strings), and a
+    content always there: an assistant turn that made tool calls comes back from clients with
+    `content: null` or none at all, and templates read message['content'] regardless."""
     out = []
     for i, m in enumerate(messages):
         d = m.model_dump(exclude_none=True)
+        d.setdefault("content", "")
         if isinstance(m.content, list):
             texts = []
             for j, part in enumerate(m.content):

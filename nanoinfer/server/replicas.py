@@ -36,6 +36,8 @@ from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from .access import AccessPolicy
+
 logger = logging.getLogger("nanoinfer.replicas")
 
 RAY_HINT = "--replicas runs on Ray Serve, which is not installed: pip install 'nanoinfer[ray]' (ray[serve]==2.60.0)"
@@ -55,6 +57,7 @@ class ReplicaSettings:
     server: dict  # ServerConfig's fields
     replicas: int
     speculative_config: dict | None = None
+    access: AccessPolicy = field(default_factory=AccessPolicy)  # checked by the router, before any replica
 
 
 # --- one replica ----------------------------------------------------------------------------
@@ -246,14 +249,21 @@ class Router:
     def __init__(self, settings: ReplicaSettings, policy: str, *engines):
         self.engines = list(engines)
         self.state = RouterState(len(engines), policy)
+        self.access = settings.access
 
     async def __call__(self, request):
-        from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+        from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
         path = request.url.path
+        lower = {k.lower(): v for k, v in request.headers.items()}
+        refusal = self.access.check(request.method, path, lower)  # keys, Host, origins, JSON: before any replica
+        if refusal is not None:
+            return Response(refusal.encoded() if refusal.status != 204 else b"", status_code=refusal.status,
+                            headers=refusal.headers)
+        cors = self.access.cors_headers(lower.get("origin"))
         body = await request.body()
         if path == "/metrics":
-            return PlainTextResponse(await self._metrics(), media_type="text/plain; version=0.0.4")
+            return PlainTextResponse(await self._metrics(), media_type="text/plain; version=0.0.4", headers=cors)
         i = self.state.choose(prompt_text(path, body))
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in ("host", "content-length")]
         gen = self.engines[i].options(stream=True).forward.remote(request.method, path, request.url.query, headers, body)
@@ -278,7 +288,7 @@ class Router:
                     gen.cancel()  # the client left: the replica aborts the request
 
         keep = [(k, v) for k, v in head["headers"] if k.lower() not in ("content-length", "transfer-encoding")]
-        return StreamingResponse(rest(), status_code=head["status"], headers=dict(keep))
+        return StreamingResponse(rest(), status_code=head["status"], headers={**dict(keep), **cors})
 
     def _failed(self, i: int, e: Exception) -> dict:
         self.state.dead_until[i] = time.monotonic() + DEAD_BACKOFF_S

@@ -14,15 +14,19 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..engine.async_engine import AsyncEngine
 from ..engine.sequence import RequestOutput, StreamDelta
 from ..errors import InvalidRequestError, RequestFailedError
 from ..sampling import SamplingParams, StructuredOutputsParams
+from ..tokenizer import TokenizerLike
+from ..tokenizer.fim import fim_prompt, fim_tokens
+from ..tokenizer.tool_prompt import with_tools
+from .access import AccessPolicy
 from .constraints import request_constraint
-from .outputs import CompletionLogprobs, TokenText, chat_logprobs, sse, usage
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, message_dicts
+from .outputs import CompletionLogprobs, TokenText, chat_logprobs, sse, usage, vllm_prompt_logprobs
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, check_fields, message_dicts
 from .tool_calls import ToolCallParser, parse_tool_calls
 
 logger = logging.getLogger("nanoinfer.server")
@@ -40,10 +44,21 @@ class ServerConfig:
     shutdown_timeout: float = 5.0  # seconds in-flight requests get to finish on SIGINT/SIGTERM
     header_timeout: float = 10.0  # seconds a connection gets to send a request's headers
     client_read_timeout: float = 30.0  # seconds a stream may go unread before its request is aborted
+    access: AccessPolicy = field(default_factory=AccessPolicy)  # keys, hosts, origins (access.py); default: open
 
 
 class ClientGone(Exception):
     """The client closed the connection before a non-streaming response was ready."""
+
+
+@dataclass
+class Reply:
+    """A response: a JSON body or a stream of SSE lines, and headers of its own."""
+    content: dict | AsyncIterator[str]
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+RELAXED_HEADER = "X-Structured-Output-Relaxed"  # schema keywords decoding did not enforce (checked after)
 
 
 @dataclass
@@ -68,7 +83,17 @@ class Serving:
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.config.model_name:
             raise APIError(f"the model {name!r} does not exist; this server serves {self.config.model_name!r}",
-                           "model", status=404)
+                           "model", status=404, code="model_not_found")
+
+    def template_input(self, messages: list[dict], tools: list[dict] | None) -> tuple[list[dict], list[dict] | None]:
+        return template_input(self.tokenizer, messages, tools)
+
+    def check_window(self, prompt_tokens: int, max_tokens: int | None, param: str) -> None:
+        """The prompt and max_tokens together must fit the context window (OpenAI's rule)."""
+        if max_tokens is not None and prompt_tokens + max_tokens > self.max_model_len:
+            raise APIError(f"this model's context window is {self.max_model_len} tokens, but {prompt_tokens} prompt "
+                           f"tokens and {param}={max_tokens} make {prompt_tokens + max_tokens}: shorten the prompt or "
+                           f"lower {param}", param, code="context_length_exceeded")
 
     def check_prompt_chars(self, chars: int, param: str) -> None:
         if chars > self.max_model_len * self.max_token_chars:
@@ -79,20 +104,20 @@ class Serving:
         try:
             self.engine.engine.validate_prompt(ids)
         except InvalidRequestError as e:
-            raise APIError(str(e), param) from None
+            raise APIError(str(e), param, code=e.code or "invalid_value") from None
 
     def sampling_params(self, req: SamplingFields, *, max_tokens: int | None, max_tokens_param: str,
                         logprobs: int | None, logprobs_param: str,
-                        default_max_tokens: int | None = None,
+                        default_max_tokens: int | None = None, prompt_logprobs: int | None = None,
                         structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """`max_tokens` as the request gave it (None: absent); the default is clamped to the limit."""
         cfg = self.config
         if req.n > cfg.max_n:
-            raise APIError(f"n={req.n} is over this server's limit of {cfg.max_n}", "n")
+            raise APIError(f"n={req.n} is over this server's limit of {cfg.max_n}", "n", code="invalid_value")
         limit = cfg.max_tokens_limit
         if max_tokens is not None and limit is not None and max_tokens > limit:
             raise APIError(f"{max_tokens_param}={max_tokens} is over this server's limit of {limit}",
-                           max_tokens_param)
+                           max_tokens_param, code="invalid_value")
         if max_tokens is None:
             max_tokens = default_max_tokens if limit is None else min(default_max_tokens or limit, limit)
         opt = lambda value, default: default if value is None else value  # noqa: E731
@@ -105,6 +130,8 @@ class Serving:
                 min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
                 ignore_eos=req.ignore_eos, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
                 structured_outputs=structured_outputs,
+                prompt_logprobs=req.prompt_logprobs if req.prompt_logprobs is not None else prompt_logprobs,
+                logit_bias=req.logit_bias,
             )
         except InvalidRequestError as e:
             # SamplingParams' field names -> this request's: "max_tokens=0 ..." -> "max_completion_tokens=0 ..."
@@ -113,21 +140,25 @@ class Serving:
             message = str(e)
             if name and param != name and message.startswith(name):
                 message = param + message[len(name):]
-            raise APIError(message, param) from None
+            raise APIError(message, param, code=e.code or "invalid_value") from None
 
-    async def constraint(self, req: SamplingFields, tools: list[dict] | None = None) -> StructuredOutputsParams | None:
+    async def constraint(self, req: SamplingFields, tools: list[dict] | None = None
+                         ) -> tuple[StructuredOutputsParams | None, dict[str, str]]:
         """The request's structured-output constraint, compiled here in a worker thread (cached
-        by its text), so that the engine loop never waits on a compile."""
+        by its text), so that the engine loop never waits on a compile; and the header naming
+        the schema keywords relaxed for decoding, if any."""
         found = request_constraint(req, self.tokenizer, tools)
         if found is None:
-            return None
-        field, spec = found
+            return None, {}
+        field_name, spec = found
         try:
-            await asyncio.to_thread(self.engine.engine.structured.compile, spec)
+            compiled = await asyncio.to_thread(self.engine.engine.structured.compile, spec)
         except InvalidRequestError as e:  # named as the request carried it
-            param = {"structured_outputs": e.param, "response_format": "response_format.json_schema.schema"}.get(field)
-            raise APIError(str(e), param or field, code=e.code) from None
-        return spec
+            param = {"structured_outputs": e.param, "response_format": "response_format.json_schema.schema"
+                     }.get(field_name)
+            raise APIError(str(e), param or field_name, code=e.code) from None
+        check = getattr(compiled, "check", None)
+        return spec, ({RELAXED_HEADER: ", ".join(check.relaxed)} if check is not None else {})
 
     async def encode(self, fn, *args, **kwargs) -> list[int]:
         text_len = sum(len(a) if isinstance(a, str) else _chat_chars(a) for a in args if isinstance(a, (str, list)))
@@ -201,17 +232,32 @@ class Serving:
     # --- /v1/completions --------------------------------------------------------------
     async def completions(self, req: CompletionRequest, request):
         self.check_model(req.model)
-        prompts = await self.completion_prompts(req.prompt, req.parse_special)
+        check_fields(req, "/v1/completions")
+        if req.suffix is not None:
+            prompts = [await self.fim_prompt(req)]
+        else:
+            prompts = await self.completion_prompts(req.prompt, req.parse_special)
+        if req.max_tokens == 0 and not (req.echo or req.prompt_logprobs is not None):
+            raise APIError("max_tokens=0 generates nothing: it is for scoring a prompt, with echo (and logprobs) or "
+                           "prompt_logprobs", "max_tokens", code="invalid_value")
+        # echo with logprobs scores the prompt's tokens too; max_tokens 0 scores only them
+        prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else 0 if req.max_tokens == 0 else None
+        # OpenAI's default of 16, within what the window leaves
+        default = min(COMPLETIONS_DEFAULT_MAX_TOKENS, self.max_model_len - max(len(p.ids) for p in prompts))
+        spec, headers = await self.constraint(req)
         params = self.sampling_params(req, max_tokens=req.max_tokens, max_tokens_param="max_tokens",
-                                      default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs=req.logprobs,
-                                      logprobs_param="logprobs", structured_outputs=await self.constraint(req))
+                                      default_max_tokens=default, logprobs=req.logprobs,
+                                      logprobs_param="logprobs", prompt_logprobs=prompt_logprobs,
+                                      structured_outputs=spec)
+        for p in prompts:
+            self.check_window(len(p.ids), params.max_tokens, "max_tokens")
         if req.echo:
             for p in prompts:
                 if p.text is None:
                     p.text = self.tokenizer.decode(p.ids, skip_special_tokens=False)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
-            return self.stream_completions(req, prompts, params, rid, created)
+            return Reply(self.stream_completions(req, prompts, params, rid, created), headers)
         finals = await self.collect(request, prompts, params, rid)
         choices = []
         for i, out in enumerate(finals):
@@ -219,16 +265,35 @@ class Serving:
                 text, lp = c.text, None
                 if params.logprobs is not None:
                     builder = CompletionLogprobs(self.tt)
-                    parts = [builder.prompt(out.prompt_token_ids)] if req.echo else []
+                    parts = [builder.prompt(out.prompt_token_ids, out.prompt_logprobs)] if req.echo else []
                     lp = CompletionLogprobs.join(parts + [builder.add(c.token_ids, c.token_masks, c.logprobs)])
                 if req.echo:
                     text = prompts[i].text + text
-                choices.append({"index": i * params.n + c.index, "text": text, "logprobs": lp,
-                                "finish_reason": c.finish_reason})
-        return {
+                choice = {"index": i * params.n + c.index, "text": text, "logprobs": lp,
+                          "finish_reason": c.finish_reason}
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = vllm_prompt_logprobs(self.tt, out.prompt_token_ids, out.prompt_logprobs)
+                if c.violations:
+                    choice["structured_output_violations"] = c.violations
+                choices.append(choice)
+        return Reply({
             "id": rid, "object": "text_completion", "created": created, "model": self.config.model_name,
             "choices": choices, "usage": self._usage(finals),
-        }
+        }, headers)
+
+    async def fim_prompt(self, req: CompletionRequest) -> Prompt:
+        """Fill in the middle: the prompt is the text before, `suffix` the text after."""
+        if not isinstance(req.prompt, str):
+            raise APIError("with suffix, prompt must be one string (the text before the middle)", "prompt",
+                           code="invalid_type")
+        fim = fim_tokens(self.tokenizer)
+        if fim is None:
+            raise APIError("suffix: this model's vocabulary has no fill-in-the-middle tokens, so it cannot fill in",
+                           "suffix", code="unsupported_value")
+        self.check_prompt_chars(len(req.prompt) + len(req.suffix), "prompt")
+        ids = await self.encode(fim_prompt, self.tokenizer, fim, req.prompt, req.suffix)
+        self.validate_prompt(ids, "prompt")
+        return Prompt(req.prompt, ids)
 
     async def completion_prompts(self, prompt, parse_special: bool = True) -> list[Prompt]:
         if isinstance(prompt, str) or prompt and all(isinstance(t, int) for t in prompt):
@@ -257,8 +322,13 @@ class Serving:
         started: set[int] = set()
         finals: list[RequestOutput | None] = [None] * len(prompts)
 
-        def chunk(index: int, text: str, lp, finish_reason) -> str:
-            body = {**base, "choices": [{"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}]}
+        def chunk(index: int, text: str, lp, finish_reason, prompt_lp=None, violations=None) -> str:
+            choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+            if prompt_lp is not None:
+                choice["prompt_logprobs"] = prompt_lp
+            if violations:
+                choice["structured_output_violations"] = violations
+            body = {**base, "choices": [choice]}
             if include_usage:
                 body["usage"] = None
             return sse(body)
@@ -272,19 +342,22 @@ class Serving:
                     index = i * n + item.index
                     text, lp = item.text, None
                     builder = builders.setdefault(index, CompletionLogprobs(self.tt))
-                    echo_lp = None
-                    if index not in started:
+                    echo_lp = prompt_lp = None
+                    if index not in started:  # its first chunk: the echoed prompt, and the prompt's logprobs
                         started.add(index)
                         if req.echo:
                             text = prompts[i].text + text
                             if params.logprobs is not None:
-                                echo_lp = builder.prompt(prompts[i].ids)
+                                echo_lp = builder.prompt(prompts[i].ids, item.prompt_logprobs)
+                        if req.prompt_logprobs is not None:
+                            prompt_lp = vllm_prompt_logprobs(self.tt, prompts[i].ids, item.prompt_logprobs)
                     if params.logprobs is not None and item.token_ids:
                         lp = builder.add(item.token_ids, item.token_masks, item.logprobs)
-                        if echo_lp is not None:
-                            lp = CompletionLogprobs.join([echo_lp, lp])
-                    if text or lp or item.finished:
-                        yield chunk(index, text, lp, item.finish_reason if item.finished else None)
+                    if echo_lp is not None:
+                        lp = CompletionLogprobs.join([echo_lp, lp] if lp else [echo_lp])
+                    if text or lp or item.finished or prompt_lp is not None:
+                        yield chunk(index, text, lp, item.finish_reason if item.finished else None, prompt_lp,
+                                    item.violations)
             if include_usage:
                 yield sse({**base, "choices": [], "usage": self._usage(finals)})
         except Exception as e:  # whatever went wrong, the stream ends with an error event and [DONE]
@@ -294,6 +367,7 @@ class Serving:
     # --- /v1/chat/completions ---------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, request):
         self.check_model(req.model)
+        check_fields(req, "/v1/chat/completions")
         if not req.messages:
             raise APIError("messages must be a non-empty list", "messages")
         messages = message_dicts(req.messages)
@@ -313,23 +387,31 @@ class Serving:
         max_tokens, mt_param = req.max_completion_tokens, "max_completion_tokens"
         if max_tokens is None:
             max_tokens, mt_param = req.max_tokens, "max_tokens"
+        if max_tokens == 0 and req.prompt_logprobs is None:
+            raise APIError(f"{mt_param}=0 generates nothing: it is for scoring the prompt, with prompt_logprobs",
+                           mt_param, code="invalid_value")
+        spec, headers = await self.constraint(req, tools)
         params = self.sampling_params(req, max_tokens=max_tokens, max_tokens_param=mt_param,
                                       logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                                      logprobs_param="top_logprobs",
-                                      structured_outputs=await self.constraint(req, tools))
+                                      logprobs_param="top_logprobs", structured_outputs=spec)
+        rendered, template_tools = self.template_input(messages, tools)
         try:
-            ids = await self.encode(self.tokenizer.encode_chat, messages, tools=tools, parse_special=req.parse_special,
+            ids = await self.encode(self.tokenizer.encode_chat, rendered, tools=template_tools,
+                                    parse_special=req.parse_special,
+                                    add_generation_prompt=req.add_generation_prompt,
+                                    continue_final_message=req.continue_final_message,
                                     **(req.chat_template_kwargs or {}))
         except InvalidRequestError as e:
-            raise APIError(str(e), e.param or "messages") from None
+            raise APIError(str(e), e.param or "messages", code=e.code or "invalid_value") from None
         except TypeError as e:  # chat_template_kwargs tried to set messages/tools/add_generation_prompt
-            raise APIError(f"chat_template_kwargs: {e}", "chat_template_kwargs") from None
+            raise APIError(f"chat_template_kwargs: {e}", "chat_template_kwargs", code="invalid_value") from None
         self.validate_prompt(ids, "messages")
+        self.check_window(len(ids), max_tokens, mt_param)
         prompts = [Prompt(None, ids)]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         parse_tools = tools is not None
         if req.stream:
-            return self.stream_chat(req, prompts, params, rid, created, parse_tools)
+            return Reply(self.stream_chat(req, prompts, params, rid, created, parse_tools), headers)
         (out,) = await self.collect(request, prompts, params, rid)
         choices = []
         for c in out.outputs:
@@ -344,11 +426,17 @@ class Serving:
             lp = None
             if params.logprobs is not None:
                 lp = {"content": chat_logprobs(self.tt, c.token_ids, c.token_masks, c.logprobs, params.logprobs)}
-            choices.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish_reason})
-        return {
+            choice = {"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish_reason}
+            if c.violations:
+                choice["structured_output_violations"] = c.violations
+            choices.append(choice)
+        body = {
             "id": rid, "object": "chat.completion", "created": created, "model": self.config.model_name,
             "choices": choices, "usage": self._usage([out]),
         }
+        if req.prompt_logprobs is not None:  # vLLM's place for it
+            body["prompt_logprobs"] = vllm_prompt_logprobs(self.tt, out.prompt_token_ids, out.prompt_logprobs)
+        return Reply(body, headers)
 
     async def stream_chat(self, req: ChatCompletionRequest, prompts: list[Prompt], params: SamplingParams,
                           rid: str, created: int, parse_tools: bool) -> AsyncIterator[str]:
@@ -361,13 +449,15 @@ class Serving:
         finished: set[int] = set()
         out: RequestOutput | None = None
 
-        def chunk(index: int, delta: dict, finish_reason: str | None = None) -> str:
+        def chunk(index: int, delta: dict, finish_reason: str | None = None, violations=None) -> str:
             lp = None
             if want_lp and pending_lp[index]:
                 lp = {"content": pending_lp[index]}
                 pending_lp[index] = []
-            body = {**base, "choices": [{"index": index, "delta": delta, "logprobs": lp,
-                                         "finish_reason": finish_reason}]}
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+            if violations:
+                choice["structured_output_violations"] = violations
+            body = {**base, "choices": [choice]}
             if include_usage:
                 body["usage"] = None
             return sse(body)
@@ -383,12 +473,12 @@ class Serving:
                     chunks.append(chunk(index, {"tool_calls": [call]}))
             return chunks
 
-        def finish(index: int, reason: str | None) -> list[str]:
+        def finish(index: int, reason: str | None, violations: list[str] | None) -> list[str]:
             finished.add(index)
             chunks = events_to_chunks(index, parsers[index].finish()) if parse_tools else []
             if num_calls[index] and reason in ("stop", "length"):
                 reason = "tool_calls"
-            return chunks + [chunk(index, {}, reason)]
+            return chunks + [chunk(index, {}, reason, violations)]
 
         try:
             for i in range(params.n):
@@ -399,7 +489,7 @@ class Serving:
                         out = item
                         for c in item.outputs:  # a sample that ended without a final delta
                             if c.index not in finished:
-                                for s in finish(c.index, c.finish_reason):
+                                for s in finish(c.index, c.finish_reason, c.violations):
                                     yield s
                         continue
                     index = item.index
@@ -413,7 +503,7 @@ class Serving:
                     for s in chunks:
                         yield s
                     if item.finished:
-                        for s in finish(index, item.finish_reason):
+                        for s in finish(index, item.finish_reason, item.violations):
                             yield s
             if include_usage and out is not None:
                 yield sse({**base, "choices": [], "usage": self._usage([out])})
@@ -427,6 +517,15 @@ class Serving:
         outs = [o for o in finals if o is not None]
         return usage(sum(len(o.prompt_token_ids) for o in outs),
                      sum(len(c.token_ids) for o in outs for c in o.outputs))
+
+
+def template_input(tokenizer: TokenizerLike, messages: list[dict], tools: list[dict] | None
+                   ) -> tuple[list[dict], list[dict] | None]:
+    """What the chat template gets: the messages and tools as they are when it renders tools;
+    else the tools written into the system message and the tool turns as text (tool_prompt.py)."""
+    if tokenizer.native_tools:
+        return messages, tools
+    return with_tools(messages, tools), None
 
 
 def _chat_chars(messages: list) -> int:

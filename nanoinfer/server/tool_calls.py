@@ -19,7 +19,8 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+from ..tokenizer.tool_prompt import CALL_CLOSE, CALL_OPEN
+
 PYTHON_TAG = "<|python_tag|>"
 
 

@@ -59,7 +59,11 @@ class Matcher(Protocol):
 
 
 class Compiled(Protocol):
-    """A compiled constraint; `matcher()` is cheap and independent of other matchers."""
+    """A compiled constraint; `matcher()` is cheap and independent of other matchers. `check`,
+    if not None, has `relaxed` (the schema keywords decoding does not enforce) and
+    `violations(text)` (what a finished output breaks of the whole schema)."""
+
+    check: object | None
 
     def matcher(self) -> Matcher:
         ...

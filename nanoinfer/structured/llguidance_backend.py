@@ -9,6 +9,7 @@ llguidance's own torch helpers are not used: its mask kernel is a torch.compile 
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -51,13 +52,37 @@ def parser_limits(limits: ConstraintLimits) -> llguidance.LLParserLimits:
     return llguidance.LLParserLimits(max_grammar_size=limits.max_grammar_symbols)
 
 
-def _grammar_text(spec: StructuredOutputsParams, limits: ConstraintLimits) -> str:
-    """The constraint in llguidance's grammar format, after the checks on its size."""
+_UNIMPLEMENTED = re.compile(r'Unimplemented keys: \[(.*?)\]')
+_UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
+
+
+def relaxed(schema: Any, keywords: set[str], formats: set[str]) -> Any:
+    """The schema without `keywords` and without `format`s the grammar engine does not know (a copy)."""
+    if isinstance(schema, list):
+        return [relaxed(s, keywords, formats) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return {k: relaxed(v, keywords, formats) for k, v in schema.items()
+            if k not in keywords and not (k == "format" and v in formats)}
+
+
+def _unenforceable(error: str) -> tuple[set[str], set[str]]:
+    """The keywords and formats an error says llguidance cannot enforce."""
+    keys = {k.strip().strip('"') for m in _UNIMPLEMENTED.finditer(error) for k in m.group(1).split(",") if k.strip()}
+    return keys, set(_UNKNOWN_FORMAT.findall(error))
+
+
+def _grammar_text(spec: StructuredOutputsParams, limits: ConstraintLimits, drop: tuple[set[str], set[str]] = (set(), set())
+                  ) -> str:
+    """The constraint in llguidance's grammar format, after the checks on its size; `drop`: the
+    schema keywords and formats left out (see LLGuidanceBackend.compile)."""
     kind = spec.kind
     param = f"structured_outputs.{kind}"
     if kind in ("json", "json_object"):
         schema = spec.json if kind == "json" else {"type": "object"}
         limits.check_schema(schema, param)
+        if drop[0] or drop[1]:
+            schema = relaxed(schema, *drop)
         if kind == "json" and spec.disable_additional_properties:
             schema = closed_objects(schema)
         options = ({"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
@@ -117,11 +142,33 @@ class LLGuidanceMatcher:
         return LLGuidanceMatcher(self.m.deep_copy())
 
 
+class SchemaCheck:
+    """The whole schema, checked on a finished output whose decoding enforced only part of it."""
+
+    def __init__(self, schema: Any, relaxed: list[str]):
+        self.schema, self.relaxed = schema, relaxed
+
+    def violations(self, text: str) -> list[str]:
+        import jsonschema  # only for schemas that needed relaxing
+
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return []  # cut short (max_tokens, a stop): not JSON; finish_reason says why
+        validator = jsonschema.validators.validator_for(self.schema)(self.schema)
+        out = []
+        for error in sorted(validator.iter_errors(value), key=lambda e: list(e.absolute_path)):
+            where = "/" + "/".join(map(str, error.absolute_path))
+            out.append(f"{error.validator} at {where}: {' '.join(error.message.split())[:200]}")
+        return out[:16]
+
+
 @dataclass
 class LLGuidanceCompiled:
     template: llguidance.LLMatcher  # never advanced: each sequence gets a copy
     kind: str
     vocab_size: int
+    check: SchemaCheck | None = None  # the schema's relaxed keywords, checked after decoding
 
     def matcher(self) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(self.template.deep_copy())
@@ -152,11 +199,26 @@ class LLGuidanceBackend:
         return self.tokenizer.decode_bytes([token])
 
     def compile(self, spec: StructuredOutputsParams, limits: ConstraintLimits) -> LLGuidanceCompiled:
+        """A JSON schema with keywords llguidance cannot enforce is compiled without them (each
+        error names the next ones; a few rounds at most) unless spec.strict; the compiled
+        constraint then checks the finished output against the whole schema."""
         param = f"structured_outputs.{spec.kind}"
-        m = llguidance.LLMatcher(self.tokenizer, _grammar_text(spec, limits), log_level=0,
-                                 limits=parser_limits(limits))
-        if m.is_error():
+        keywords: set[str] = set()
+        formats: set[str] = set()
+        for _ in range(8):
+            m = llguidance.LLMatcher(self.tokenizer, _grammar_text(spec, limits, (keywords, formats)), log_level=0,
+                                     limits=parser_limits(limits))
+            if not m.is_error():
+                break
             error = _first_line(m.get_error())
-            code = "constraint_too_large" if "too big" in error or "too large" in error else None
-            raise ConstraintError(f"invalid {spec.kind} constraint: {error}", param, code=code)
-        return LLGuidanceCompiled(m, spec.kind, self.tokenizer.vocab_size)
+            more = _unenforceable(error)
+            if spec.kind != "json" or spec.strict or not (more[0] - keywords or more[1] - formats):
+                code = "constraint_too_large" if "too big" in error or "too large" in error else None
+                hint = " (not enforceable while decoding; without strict it is relaxed and checked after)" \
+                    if spec.strict and (more[0] or more[1]) else ""
+                raise ConstraintError(f"invalid {spec.kind} constraint: {error}{hint}", param, code=code)
+            keywords |= more[0]
+            formats |= more[1]
+        checker = SchemaCheck(spec.json, sorted(keywords) + [f"format: {f}" for f in sorted(formats)]) \
+            if keywords or formats else None
+        return LLGuidanceCompiled(m, spec.kind, self.tokenizer.vocab_size, checker)

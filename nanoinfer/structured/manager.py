@@ -110,7 +110,8 @@ class StructuredOutputs:
 
     def matcher(self, spec: StructuredOutputsParams) -> Constraint:
         closes = spec.close_within_budget and spec.kind in ("json", "json_object")
-        return Constraint(self.compile(spec).matcher(), self.closer if closes else None)
+        compiled = self.compile(spec)
+        return Constraint(compiled.matcher(), self.closer if closes else None, getattr(compiled, "check", None))
 
     def apply_masks(self, logits: torch.Tensor, rows: list[tuple[int, Constraint, int]]) -> dict[int, ConstraintError]:
         """Set to -inf every logit of rows[i][0] that its constraint disallows (logits: CPU fp32
@@ -155,11 +156,12 @@ class Constraint:
     """One sequence's constraint: its grammar matcher, and for JSON the closing plan it follows
     once its token budget nears its end (budget.py)."""
 
-    __slots__ = ("matcher", "closer", "scan", "plan", "next_check", "margin")
+    __slots__ = ("matcher", "closer", "scan", "plan", "next_check", "margin", "check")
 
-    def __init__(self, matcher: Matcher, closer: JsonCloser | None):
+    def __init__(self, matcher: Matcher, closer: JsonCloser | None, check=None):
         self.matcher = matcher
         self.closer = closer
+        self.check = check  # the schema's keywords relaxed for decoding, checked on the output (or None)
         self.scan = JsonScan()
         self.plan: list[int] = []  # forced next tokens, once closing started
         self.next_check = LOOKAHEAD  # remaining budget at which to plan again
@@ -195,7 +197,7 @@ class Constraint:
             m.accept(t)
             if m.is_terminated():  # the row after it would have nothing to allow: it ends the guesses
                 break
-            states.append(Constraint(m, None))
+            states.append(Constraint(m, None, self.check))
         return states
 
     def budget_rule_idle(self, remaining: int) -> bool:
@@ -223,3 +225,7 @@ class Constraint:
 
     def error(self) -> str | None:
         return self.matcher.error()
+
+    def violations(self, text: str) -> list[str] | None:
+        """What the finished output violates of the schema's relaxed keywords (None: nothing was relaxed)."""
+        return None if self.check is None else self.check.violations(text)

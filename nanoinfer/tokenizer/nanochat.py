@@ -120,6 +120,8 @@ class NanochatTokenizer:
     """The engine's tokenizer interface (nanoinfer.tokenizer.TokenizerLike) over a tiktoken
     Encoding, with nanochat's conversation rendering instead of a Jinja chat template."""
 
+    native_tools = False  # nanochat takes no tool definitions (its calculator is built in)
+
     chat_template: str | None = None
     # Byte-level BPE decodes bytes first and replaces invalid UTF-8 once, so the streaming
     # detokenizer needs no byte-fallback bookkeeping (its trailing-U+FFFD hold-back suffices).

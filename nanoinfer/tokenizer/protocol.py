@@ -20,6 +20,9 @@ class TokenizerLike(Protocol):
     # makes the run invalid UTF-8 (a ByteFallback decoder); empty otherwise. The streaming
     # detokenizer holds such a run back until it is complete.
     byte_fallback_ids: frozenset[int]
+    # Whether the chat template writes `tools` into the prompt itself; else they are written in
+    # by tool_prompt.py, in the <tool_call> format.
+    native_tools: bool
 
     def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = False) -> list[int]:
         """Token ids of `text`; special-token text stays plain text unless `parse_special`."""

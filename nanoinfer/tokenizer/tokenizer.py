@@ -197,23 +197,52 @@ class Tokenizer:
         messages: list[dict],
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str:
-        """Render `messages` with the model's Jinja chat template, as transformers does."""
+        """Render `messages` with the model's Jinja chat template, as transformers does
+        (continue_final_message: the last message, the assistant's, is left open for the model
+        to continue). Tools go to the template as they are: see `native_tools` and
+        tool_prompt.py for templates that do not render them."""
+        template = self._template(bool(tools))
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise InvalidRequestError("messages must be a non-empty list")
+        if not all(isinstance(m, dict) for m in messages):
+            raise InvalidRequestError("each message must be an object with 'role' and 'content'")
+        if continue_final_message and (add_generation_prompt or messages[-1].get("role") != "assistant"):
+            raise InvalidRequestError("continue_final_message needs the last message from the assistant and "
+                                      "add_generation_prompt false", "continue_final_message")
+        context = {**self._special_token_strings, **kwargs}  # kwargs may override bos_token etc.
+        text = render_chat_template(template, messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                    context=context)
+        if continue_final_message:
+            text = _open_final_message(text, messages[-1].get("content"))
+        return text
+
+    def _template(self, tools: bool) -> str:
         template = self._templates.get("tool_use") if tools else None
         template = template or self._templates.get("default")
         if template is None:
             if self._templates:
                 raise InvalidRequestError(f"no default chat template; this model has {sorted(self._templates)}")
             raise InvalidRequestError("this model has no chat template; send a plain prompt instead")
-        if not isinstance(messages, (list, tuple)) or not messages:
-            raise InvalidRequestError("messages must be a non-empty list")
-        if not all(isinstance(m, dict) for m in messages):
-            raise InvalidRequestError("each message must be an object with 'role' and 'content'")
+        return template
 
-        context = {**self._special_token_strings, **kwargs}  # kwargs may override bos_token etc.
-        return render_chat_template(template, messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                    context=context)
+    @cached_property
+    def native_tools(self) -> bool:
+        """Whether the chat template lists `tools` for the model itself: a one-message chat
+        renders differently with a tool than without. False: tools are written in by
+        tool_prompt.py (also for a template that cannot render at all: nothing to lose)."""
+        probe = [{"role": "user", "content": "hi"}]
+        tool = [{"type": "function", "function": {"name": "nanoinfer_probe", "description": "d",
+                                                  "parameters": {"type": "object", "properties": {}}}}]
+        try:
+            args = dict(add_generation_prompt=True, context=dict(self._special_token_strings))
+            with_tool = render_chat_template(self._template(True), probe, tools=tool, **args)
+            without = render_chat_template(self._template(False), probe, tools=None, **args)
+        except InvalidRequestError:
+            return False
+        return with_tool != without
 
     def encode_chat(
         self,
@@ -229,8 +258,10 @@ class Tokenizer:
         `parse_special`."""
         pattern = None if parse_special else self._special_text
         masked = _mask_special_text(messages, pattern) if pattern else messages
-        text = self.apply_chat_template(masked, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
-        if masked == messages:
+        masked_tools = _mask_special_text(tools, pattern) if pattern and tools else tools  # their text is the user's too
+        text = self.apply_chat_template(masked, add_generation_prompt=add_generation_prompt, tools=masked_tools,
+                                        **kwargs)
+        if masked == messages and masked_tools == tools:
             return self.encode(text, add_special_tokens=False, parse_special=True)
         # The template's markers become tokens; the text between them, the messages' included, is
         # encoded as plain text: what parsing does, with the messages' markers left as text.
@@ -250,6 +281,17 @@ class Tokenizer:
 
 
 _MASK = "\ufdd0"  # a Unicode noncharacter (for internal use): put into special-token text to unmake it
+
+
+def _open_final_message(text: str, content: Any) -> str:
+    """The rendered chat cut right after the last message's text (its end-of-turn markers
+    dropped), as transformers' continue_final_message does; templates may strip the text."""
+    final = content if isinstance(content, str) else ""
+    for probe in (final, final.strip()):
+        if probe and probe in text:
+            return text[:text.rindex(probe) + len(probe)]
+    raise InvalidRequestError("continue_final_message: the last message's text is not in the rendered chat",
+                              "continue_final_message")
 
 
 def _encode(backend: Backend, text: str, add_special_tokens: bool) -> list[int]:
