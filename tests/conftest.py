@@ -179,6 +179,17 @@ def default_gguf() -> Path:
     return default_model_path()
 
 
+@pytest.fixture(scope="session")
+def hf_default(default_gguf):
+    """transformers' own reading of the default GGUF (dequantised, float32) and its tokenizer:
+    ~20 s to build, so built once for the whole run."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    d, name = str(default_gguf.parent), default_gguf.name
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
+    return tok, model
+
+
 @pytest.fixture(params=["portable", "avx2", "avx512"])
 def quant_path(request):
     """The block-format kernels forced onto one dispatch path (skipped where the CPU lacks it)."""

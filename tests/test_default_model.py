@@ -17,12 +17,8 @@ STEPS = 32
 
 
 @pytest.fixture(scope="module")
-def hf(default_gguf):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    d, name = str(default_gguf.parent), default_gguf.name
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
-    return tok, model
+def hf(hf_default):
+    return hf_default
 
 
 @pytest.fixture(scope="module")

@@ -287,13 +287,10 @@ def score_server(client, model, prompt: str, max_tokens: int) -> list[float | No
     return lp.token_logprobs[:n]
 
 
-def test_prompt_logprobs_equal_transformers_and_the_reference_loop(client, model, default_gguf):
+def test_prompt_logprobs_equal_transformers_and_the_reference_loop(client, model, default_gguf, hf_default):
     """float32 on both sides: within 1e-4 of a transformers forward and of reference.py's uncached
     forward, with max_tokens 0 and 1, and again when the prompt's blocks are in the prefix cache."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name,
-                                              dtype=torch.float32).eval()
+    _, hf = hf_default
     ours = LLM(default_gguf, dtype="float32", kv_cache_memory=32 << 20)
     for prompt in PROMPTS:
         ids = ours.tokenizer.encode(prompt)

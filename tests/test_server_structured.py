@@ -123,10 +123,11 @@ def test_named_tool_choice(client):
     assert len(out.choices[0].message.tool_calls) == 1
 
 
-@pytest.mark.parametrize("temperature,seed", [(0.0, None), (1.0, 1)])
+@pytest.mark.parametrize("temperature,seed", [(1.0, 1)])
 def test_schema_suite_through_the_server(client, temperature, seed):
     """The 21 schemas of test_structured_outputs.py through response_format (sent at once, so
-    the engine batches them), greedy and sampled: every one ends with `stop` and validates."""
+    the engine batches them), sampled (the greedy suite runs offline): every one ends with
+    `stop` and validates."""
     from concurrent.futures import ThreadPoolExecutor
 
     from test_structured_outputs import PROMPT, SCHEMAS

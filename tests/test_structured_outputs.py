@@ -152,9 +152,20 @@ def suite(temperature, seed, **flags):
     return prompts, params
 
 
-@pytest.mark.parametrize("temperature,seed", [(0.0, None), (1.0, 1), (1.0, 2), (1.0, 3)])
+_suite_outputs: dict = {}
+
+
+def suite_outputs(llm, temperature, seed):
+    """The suite's replies, run once per (temperature, seed) in this module (a run is ~20 s)."""
+    key = (id(llm), temperature, seed)
+    if key not in _suite_outputs:
+        _suite_outputs[key] = llm.chat(*suite(temperature, seed))
+    return _suite_outputs[key]
+
+
+@pytest.mark.parametrize("temperature,seed", [(0.0, None), (1.0, 1), (1.0, 2)])
 def test_every_schema_validates(llm, temperature, seed):
-    check_json(llm.chat(*suite(temperature, seed)), SCHEMAS)
+    check_json(suite_outputs(llm, temperature, seed), SCHEMAS)
 
 
 def test_a_looping_value_is_closed_within_the_budget(llm):
@@ -184,7 +195,7 @@ def test_closing_plans_complete_every_prefix(llm):
     token; this checks that it also ends in a complete value)."""
     engine = llm.engine
     closer = engine.structured.closer
-    outs = llm.chat(*suite(1.0, 4))
+    outs = suite_outputs(llm, 1.0, 1)
     checked = 0
     for out, (name, schema) in zip(outs, SCHEMAS):
         o = out.outputs[0]

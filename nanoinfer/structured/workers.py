@@ -32,7 +32,7 @@ from ..errors import ConstraintError
 from .limits import COMPILE_STACK_BYTES
 
 T = TypeVar("T")
-COMPILE_NICE, MASK_NICE = 5, 10  # CFS weights: a nice-5 thread gets ~1/4 of a core against a nice-0 one, nice-10 ~1/10
+COMPILE_NICE, MASK_NICE = 5, 0  # a compile yields to the model; a step's masks run while the engine waits for them
 ABANDONED_NICE = 19  # ~1/70: a mask given up on still finishes (and frees its thread), in what the model leaves
 _stack_lock = threading.Lock()  # threading.stack_size is process-wide: set, start, restore
 
