@@ -377,11 +377,15 @@ def test_default_model_runs_under_an_address_space_limit():
     proc = _cli(["generate", "hi", "--max-tokens", "4", "--temperature", "0"], ["prlimit", f"--as={4 << 30}"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
-    # a window asked for that the limit leaves no room for: refused in one line
-    proc = _cli(["generate", "hi", "--max-tokens", "4", "--max-model-len", "8192"], ["prlimit", f"--as={2 << 30}"])
-    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
-    assert proc.stderr.startswith("error: ") and ("does not fit" in proc.stderr or "no room" in proc.stderr)
-    assert "address-space limit" in proc.stderr
+    # a window asked for that the limit leaves no room for: refused in one line naming the limit
+    from nanoinfer.engine.memory import MemoryBudget, plan_kv_pool
+    tight = MemoryBudget(available=20 << 30, cgroup=None, address_space=(1 << 30) + (128 << 20))
+    with pytest.raises(InvalidRequestError, match=r"max_model_len=8192 does not fit: the KV pool holds \d+ tokens "
+                                                  r"\(64 MiB, set by the address-space limit") as e:
+        plan_kv_pool(23_040, 16, 8192, 8192, None, 64, tight)
+    assert "\n" not in str(e.value)
+    clamped = plan_kv_pool(23_040, 16, 8192, None, None, 64, tight)  # the model's own window: clamped
+    assert clamped.max_model_len == 2912 and "clamped to 2912" in clamped.note
 
 
 def test_a_context_that_does_not_fit_is_clamped_in_one_line(make_hf_model, tiny_tokenizer_dir, tmp_path, monkeypatch):

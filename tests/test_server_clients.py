@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import httpx2 as httpx
 import openai
@@ -406,8 +404,12 @@ def test_browser_safety(server):
 
 # --- the command line ---------------------------------------------------------------------------
 
-def test_a_high_temperature_is_said(default_gguf):
-    proc = subprocess.run([sys.executable, "-m", "nanoinfer", "generate", "Hi", "-t", "8", "-n", "1",
-                           "--model", str(default_gguf)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0
-    assert "temperature 8 (-t is the temperature here; threads are --threads)" in proc.stderr
+def test_a_high_temperature_is_said(capsys):
+    from nanoinfer.cli import build_parser
+    from nanoinfer.cli_args import sampling_params
+
+    params = sampling_params(build_parser().parse_args(["generate", "Hi", "-t", "8", "--threads", "2"]))
+    assert params.temperature == 8
+    assert "temperature 8 (-t is the temperature here; threads are --threads)" in capsys.readouterr().err
+    sampling_params(build_parser().parse_args(["generate", "Hi", "-t", "0.7"]))
+    assert capsys.readouterr().err == ""

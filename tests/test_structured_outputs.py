@@ -163,7 +163,7 @@ def suite_outputs(llm, temperature, seed):
     return _suite_outputs[key]
 
 
-@pytest.mark.parametrize("temperature,seed", [(0.0, None), (1.0, 1), (1.0, 2)])
+@pytest.mark.parametrize("temperature,seed", [(0.0, None), (1.0, 1)])
 def test_every_schema_validates(llm, temperature, seed):
     check_json(suite_outputs(llm, temperature, seed), SCHEMAS)
 
