@@ -26,7 +26,7 @@ class MoeSpec:
 
 @dataclass
 class ModelConfig:
-    architecture: str  # a registry name: "llama", "qwen2", "qwen3", "mistral", "smollm3", "olmo2", "nanochat"
+    architecture: str  # a registry name (registry.py lists them all: "llama", "qwen3", "gemma3", "nanochat", ...)
     vocab_size: int
     hidden_size: int
     intermediate_size: int

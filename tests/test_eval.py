@@ -143,7 +143,7 @@ def default_model_args(default_gguf):
 def test_greedy_samples_are_identical_through_the_server(default_gguf, tmp_path):
     """The same greedy run through the Python path and through --base-url against `nanoinfer
     serve` on the same model: byte-identical samples JSONL (the same tokens, so the same score)."""
-    common = ["eval", "humaneval", "--limit", "4", "--max-tokens", "48", "--workers", "2"]
+    common = ["eval", "humaneval", "--limit", "3", "--max-tokens", "48", "--workers", "2"]
     local = tmp_path / "local.jsonl"
     assert main([*common, "--model", str(default_gguf), "--output", str(local)]) == 0
     remote = tmp_path / "remote.jsonl"
@@ -151,7 +151,7 @@ def test_greedy_samples_are_identical_through_the_server(default_gguf, tmp_path)
         assert main([*common, "--base-url", url, "--output", str(remote)]) == 0
     assert local.read_bytes() == remote.read_bytes()
     rows = [json.loads(line) for line in local.read_text().splitlines()]
-    assert [r["task_id"] for r in rows] == [f"HumanEval/{i}" for i in range(4)]
+    assert [r["task_id"] for r in rows] == [f"HumanEval/{i}" for i in range(3)]
     assert any(r["completion"] for r in rows)
 
 

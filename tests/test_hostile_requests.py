@@ -9,6 +9,7 @@ held the event loop for 9 s; `(a{1000}){1000}`'s first mask took 2-3.5 s on the 
 and the request then failed as a 500 with a traceback."""
 from __future__ import annotations
 
+import gc
 import json
 import threading
 import time
@@ -131,10 +132,22 @@ def test_gbnf_conversion_is_linear_and_matches_llguidance():
     same Lark for ordinary grammars."""
     from llguidance.gbnf_to_lark import gbnf_to_lark as reference
 
-    for rules, seconds in [(4_000, 0.5), (16_000, 2.0)]:  # the reference: 1.45 s and ~23 s
-        t0 = time.perf_counter()
-        gbnf_to_lark(gbnf_chain(rules))
-        assert time.perf_counter() - t0 < seconds, rules
+    # Relative, so a busy machine cannot fail it: four times the rules take about four times as
+    # long when linear, sixteen times when quadratic (the reference: 1.45 s and ~23 s).
+    def best_of_three(rules: int) -> float:
+        text, walls = gbnf_chain(rules), []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            gbnf_to_lark(text)
+            walls.append(time.perf_counter() - t0)
+        return min(walls)
+
+    gc.disable()
+    try:
+        small, large = best_of_three(4_000), best_of_three(16_000)
+    finally:
+        gc.enable()
+    assert large / small < 8, (small, large)
     grammars = [
         'root ::= object\nvalue ::= object | array | string | ("true" | "false" | "null") ws\n'
         'object ::=\n  "{" ws (\n    string ":" ws value\n    ("," ws string ":" ws value)*\n  )? "}" ws\n'
@@ -326,52 +339,57 @@ def _metric(url: str, name: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"nanoinfer_{name} "))
 
 
-def test_clients_that_stop_reading_are_paused_then_aborted(long_reply_model):
+@pytest.fixture(scope="module")
+def tiny_server(long_reply_model):
+    """The tiny Llama with a 64k window and no EOS (replies run as long as asked), a 32 MiB pool."""
+    s = start_server(["--model", str(long_reply_model), "--kv-cache-memory", "32M", "--max-num-seqs", "48",
+                      "--client-read-timeout", "3", "--log-level", "warning"])
+    yield s
+    s.stop()
+
+
+def test_clients_that_stop_reading_are_paused_then_aborted(tiny_server):
     """40 streams whose clients never read: each holds at most the bounded buffer (its request is
     paused once 64 chunks wait), and after --client-read-timeout its request is aborted and its
     KV freed. Before: all 40 kept generating (RSS +270 MB, still going after 120 s)."""
     import socket
 
-    s = start_server(["--model", str(long_reply_model), "--kv-cache-memory", "64M", "--max-num-seqs", "48",
-                      "--client-read-timeout", "3", "--log-level", "warning"])
-    try:
-        host, port = s.url.removeprefix("http://").split(":")
-        rss0 = _rss_kib(s.proc.pid)
-        body = json.dumps({"prompt": "Hello", "max_tokens": 8000, "ignore_eos": True, "logprobs": 20,
-                           "stream": True}).encode()
-        request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                   f"Content-Length: {len(body)}\r\n\r\n").encode() + body
-        sockets = []
-        for _ in range(40):
-            sock = socket.socket()
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a reader that takes nothing
-            sock.connect((host, int(port)))
-            sock.sendall(request)
-            sockets.append(sock)
-        # A client that reads is served meanwhile, in full.
-        r = post(s.url, "/v1/completions", {"prompt": "Hi", "max_tokens": 50, "ignore_eos": True})
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 50
-        # All 40 paused (nothing running), then aborted: no request left, every KV block back.
-        deadline = time.monotonic() + 60
-        peak = 0
-        while time.monotonic() < deadline:
-            peak = max(peak, _rss_kib(s.proc.pid))
-            if _metric(s.url, "num_requests_running") == 0 and _metric(s.url, "kv_cache_blocks_used") == 0:
-                break
-            time.sleep(0.2)
-        else:
-            raise AssertionError(f"still running after 60 s: {s.output()[-2000:]}")
-        assert s.output().count("read nothing for 3 s") >= 40, s.output()[-2000:]
-        growth_mib = (peak - rss0) / 1024
-        assert growth_mib < 100, f"RSS grew {growth_mib:.0f} MiB"
-        for sock in sockets:  # the server closed each stalled stream's connection
-            sock.settimeout(10)
-            while sock.recv(1 << 16):
-                pass
-            sock.close()
-        still_serving(s)
-    finally:
-        s.stop()
+    s = tiny_server
+    host, port = s.url.removeprefix("http://").split(":")
+    rss0 = _rss_kib(s.proc.pid)
+    body = json.dumps({"prompt": "Hello", "max_tokens": 8000, "ignore_eos": True, "logprobs": 20,
+                       "stream": True}).encode()
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    sockets = []
+    for _ in range(40):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a reader that takes nothing
+        sock.connect((host, int(port)))
+        sock.sendall(request)
+        sockets.append(sock)
+    # A client that reads is served meanwhile, in full.
+    r = post(s.url, "/v1/completions", {"prompt": "Hi", "max_tokens": 50, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 50
+    # All 40 paused (nothing running), then aborted: no request left, every KV block back.
+    deadline = time.monotonic() + 60
+    peak = 0
+    while time.monotonic() < deadline:
+        peak = max(peak, _rss_kib(s.proc.pid))
+        if _metric(s.url, "num_requests_running") == 0 and _metric(s.url, "kv_cache_blocks_used") == 0:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"still running after 60 s: {s.output()[-2000:]}")
+    assert s.output().count("read nothing for 3 s") >= 40, s.output()[-2000:]
+    growth_mib = (peak - rss0) / 1024
+    assert growth_mib < 100, f"RSS grew {growth_mib:.0f} MiB"
+    for sock in sockets:  # the server closed each stalled stream's connection
+        sock.settimeout(10)
+        while sock.recv(1 << 16):
+            pass
+        sock.close()
+    still_serving(s)
 
 
 # --- memory stays bounded under mixed load ------------------------------------------------------------
@@ -403,21 +421,18 @@ def test_blocks_used_before_are_handed_out_before_unused_ones():
     assert blocks.allocate_prompt(table, [199 * 100 + 20 + t for t in range(8)] + [7]) == 8
 
 
-def test_rss_levels_off_under_a_mixed_soak(long_reply_model):
+def test_rss_levels_off_under_a_mixed_soak(tiny_server):
     """160 mixed requests (completions, chat, streams, n=3, logprobs, JSON and regex constraints,
     14% closed mid-prefill) with a 32 MiB KV pool: the server's RSS ends within the pool and a
     stated margin of where it started, and stops growing in the second half."""
     from nanoinfer.bench.soak import soak
 
-    s = start_server(["--model", str(long_reply_model), "--kv-cache-memory", "32M", "--log-level", "warning"])
-    try:
-        assert post(s.url, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2,
-                                                    "response_format": {"type": "json_object"}}).status_code == 200
-        result = soak(s.url, s.proc.pid, requests=160, concurrency=8, every=40, seed=1)
-        assert result.statuses.get("200", 0) + result.statuses.get("aborted", 0) == 160, result.statuses
-        rss = [kib / 1024 for _, kib in result.rss_kib]  # MiB, after 0, 40, ..., 160 requests
-        assert max(rss) - rss[0] <= 32 + 64, rss  # the pool, and 64 MiB for the runtime's caches
-        assert rss[-1] - rss[2] <= 16, rss  # the second half adds (almost) nothing
-        still_serving(s)
-    finally:
-        s.stop()
+    s = tiny_server
+    assert post(s.url, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2,
+                                                "response_format": {"type": "json_object"}}).status_code == 200
+    result = soak(s.url, s.proc.pid, requests=160, concurrency=8, every=40, seed=1)
+    assert result.statuses.get("200", 0) + result.statuses.get("aborted", 0) == 160, result.statuses
+    rss = [kib / 1024 for _, kib in result.rss_kib]  # MiB, after 0, 40, ..., 160 requests
+    assert max(rss) - rss[0] <= 32 + 64, rss  # the pool, and 64 MiB for the runtime's caches
+    assert rss[-1] - rss[2] <= 16, rss  # the second half adds (almost) nothing
+    still_serving(s)

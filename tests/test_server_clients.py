@@ -52,6 +52,16 @@ def model(client):
     return client.models.list().data[0].id
 
 
+@pytest.fixture(scope="module")
+def llm_f32(default_gguf):
+    return LLM(default_gguf, dtype="float32", kv_cache_memory=32 << 20)
+
+
+@pytest.fixture(scope="module")
+def llm_auto(default_gguf):
+    return LLM(default_gguf, kv_cache_memory=32 << 20)
+
+
 def auth(key: str = KEY) -> dict:
     return {"Authorization": f"Bearer {key}"}
 
@@ -180,8 +190,8 @@ def test_a_relaxed_keyword_is_checked_on_the_output(server, model):
 
 # --- every field honoured or refused ---------------------------------------------------------
 
-def test_logit_bias_bans_forces_and_is_batch_invariant(default_gguf):
-    llm = LLM(default_gguf, kv_cache_memory=64 << 20)
+def test_logit_bias_bans_forces_and_is_batch_invariant(llm_auto):
+    llm = llm_auto
     prompt = "The capital of France is"
     greedy = SamplingParams(max_tokens=4, temperature=0)
     plain = llm.generate(prompt, greedy)[0].outputs[0].token_ids
@@ -285,11 +295,11 @@ def score_server(client, model, prompt: str, max_tokens: int) -> list[float | No
     return lp.token_logprobs[:n]
 
 
-def test_prompt_logprobs_equal_transformers_and_the_reference_loop(client, model, default_gguf, hf_default):
+def test_prompt_logprobs_equal_transformers_and_the_reference_loop(client, model, llm_f32, hf_default):
     """float32 on both sides: within 1e-4 of a transformers forward and of reference.py's uncached
     forward, with max_tokens 0 and 1, and again when the prompt's blocks are in the prefix cache."""
     _, hf = hf_default
-    ours = LLM(default_gguf, dtype="float32", kv_cache_memory=32 << 20)
+    ours = llm_f32
     for prompt in PROMPTS:
         ids = ours.tokenizer.encode(prompt)
         with torch.inference_mode():
@@ -303,12 +313,11 @@ def test_prompt_logprobs_equal_transformers_and_the_reference_loop(client, model
             assert max(abs(a - b) for a, b in zip(got[1:], loop)) < 1e-4
 
 
-def test_prompt_logprobs_on_the_quantised_path_stay_near_float32(default_gguf):
+def test_prompt_logprobs_on_the_quantised_path_stay_near_float32(llm_auto, llm_f32):
     """The default auto path (Q4_1 blocks with 8-bit activations, bf16 KV) against the float32
     figures of the same weights: within 0.4 nats a token, 0.1 on average, and the mean logprob
     within 0.05 (measured on 2 vCPU AMD EPYC Zen 3: 0.26 at most, 0.06 on average, 0.02)."""
-    ours, f32 = LLM(default_gguf, kv_cache_memory=32 << 20), LLM(default_gguf, dtype="float32",
-                                                                   kv_cache_memory=32 << 20)
+    ours, f32 = llm_auto, llm_f32
     score = SamplingParams(max_tokens=0, prompt_logprobs=0)
     for prompt in PROMPTS:
         a = [e[t].logprob for e, t in zip(ours.generate(prompt, score)[0].prompt_logprobs[1:],
@@ -328,10 +337,10 @@ MC = [  # (context, choices, right answer's index): lm-evaluation-harness's logl
 ]
 
 
-def test_multiple_choice_scoring_picks_the_same_through_the_server_and_llm(client, model, default_gguf):
+def test_multiple_choice_scoring_picks_the_same_through_the_server_and_llm(client, model, llm_f32):
     """Each choice scored by its continuation's summed logprobs (echo, logprobs=1, max_tokens 0,
     as lm-evaluation-harness's local-completions sends it), through the server and through LLM."""
-    llm = LLM(default_gguf, dtype="float32", kv_cache_memory=32 << 20)
+    llm = llm_f32
     picks_server, picks_llm = [], []
     for context, choices, _ in MC:
         n_ctx = len(llm.tokenizer.encode(context))

@@ -4,7 +4,10 @@
                                     TorchPagedAttention (any device, plain PyTorch)
     CausalAttention(params)     ->  no cache (the uncached reference loop)
 
-A GPU kernel would be one more class with the same `forward` and one more line here.
+A GPU kernel would be one more class with the same `forward` and a line here; today the
+runner builds one PagedMetadata for every backend and the compiled decoder stack reads the
+CPU backend directly, so a backend needing metadata of its own (cu_seqlens, its page layout)
+needs those two changed too (issue 27).
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ C++ compiler and called through ctypes.
 - `decoder_stack` (csrc/decoder_stack.cpp): a Llama-family model's layers in one call, on
   weights in their GGUF blocks; nanoinfer/kernels/decoder_stack.py calls it.
 - `rms_norm_*`, `rope_*`, `silu_mul_*` (csrc/layer_ops.cpp): a decoder layer's small ops in
-  one pass each, fp32 and bf16; nanoinfer/layer_ops.py calls them.
+  one pass each, fp32 and bf16; nanoinfer/kernels/layer_ops.py calls them.
 - `quant_linear`, `quant_dequantize_rows` (csrc/quant_gemm.cpp): y = x W^T with W kept in
   its GGUF blocks (Q8_0 ... Q6_K, F16, BF16); nanoinfer/kernels/quant.py calls them.
 
