@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from nanoinfer.server.replicas import BUSY_SLACK, PrefixTable, RouterState, labelled, prompt_text
+from nanoinfer.server.replicas import BUSY_SLACK, PrefixTable, RouterState, labelled, routing_text
+from nanoinfer.server.routes import ROUTES
 
 from server_utils import run_server
 
@@ -128,14 +129,14 @@ def test_prefix_routing_keeps_a_prompt_on_its_replica():
     for conv in range(32):
         for k, s in enumerate(systems):
             body = {"messages": [{"role": "system", "content": s}, {"role": "user", "content": f"question {conv}"}]}
-            text = prompt_text("/v1/chat/completions", json.dumps(body).encode())
+            text = routing_text(ROUTES, "POST", "/v1/chat/completions", json.dumps(body).encode())
             pick = state.choose(text)
             first.setdefault(k, pick)
             assert pick == first[k]
     assert sorted(first.values()).count(0) == 4  # spread evenly
     state.in_flight[first[0]] = BUSY_SLACK + 1  # its replica is now much busier: the other takes it
     more = json.dumps({"prompt": systems[0] + " more"}).encode()
-    assert state.choose(prompt_text("/v1/completions", more)) != first[0]
+    assert state.choose(routing_text(ROUTES, "POST", "/v1/completions", more)) != first[0]
     rr = RouterState(2, policy="round-robin")
     assert [rr.choose(systems[0]) for _ in range(4)] == [0, 1, 0, 1]
 

@@ -174,7 +174,7 @@ def failing_server(model_path):
 
     engine = LLMEngine(load_model(model_path), EngineConfig(kv_cache_memory=16 << 20))
     app = create_app(engine, ServerConfig(model_name="m"))
-    async_engine = app.state.async_engine
+    async_engine = app.state.server.async_engine
     real = async_engine.generate
 
     async def generate(prompt_ids, params, request_id=None, prompt=None):

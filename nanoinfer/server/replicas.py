@@ -6,12 +6,13 @@ application behind one OpenAI-compatible endpoint.
   streaming, errors, web page and metrics, because it is the same code. A request reaches
   it as (method, path, query, headers, body) and its response streams back chunk by chunk.
 - The router (the ingress deployment, Ray Serve's HTTP proxy in front) picks a replica per
-  request, prefix-aware: the prompt's text (a completion's prompt, a chat's messages) is cut
+  request, prefix-aware for the routes that generate: the prompt's text, as the route
+  declares it (Route.prompt: a completion's prompt, a chat's messages), is cut
   into chunks of PREFIX_CHUNK characters, each chunk hashed with all before it; a request
   goes to the replica that served the longest run of the same chunks (so its prefix cache
   holds them), unless that replica has more than BUSY_SLACK requests in flight beyond the
-  least busy one; otherwise, and for new prefixes, to the least busy (round-robin among
-  equals). `--routing round-robin` turns this off, for comparison.
+  least busy one; otherwise, for new prefixes and for routes that do not generate, to the
+  least busy (round-robin among equals). `--routing round-robin` turns this off, for comparison.
 - /metrics: every replica's metrics with a `replica` label, and the router's own counts.
 - A replica that dies fails its in-flight requests (a 503 before the response started, an
   error event in a stream) and gets no new ones for DEAD_BACKOFF_S, while Ray Serve
@@ -33,10 +34,11 @@ import re
 import signal
 import time
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from .access import AccessPolicy
+from .routes import ROUTES, Route, find_route
 
 logger = logging.getLogger("nanoinfer.replicas")
 
@@ -58,6 +60,7 @@ class ReplicaSettings:
     replicas: int
     speculative_config: dict | None = None
     access: AccessPolicy = field(default_factory=AccessPolicy)  # checked by the router, before any replica
+    routes: tuple[Route, ...] = ROUTES  # what every replica serves, and what the router routes by
 
 
 # --- one replica ----------------------------------------------------------------------------
@@ -77,8 +80,8 @@ class EngineReplica:
         engine = {**settings.engine, "kv_memory_share": 1 / settings.replicas}
         self.llm = LLM(settings.model, dtype=settings.dtype, max_model_len=settings.max_model_len,
                        speculative_config=settings.speculative_config, **engine)
-        self.app = create_app(self.llm.engine, ServerConfig(**settings.server))
-        self.app.state.async_engine.start()
+        self.app = create_app(self.llm.engine, ServerConfig(**settings.server), settings.routes)
+        self.app.state.server.async_engine.start()
 
     async def forward(self, method: str, path: str, query: str, headers: list[tuple[str, str]],
                       body: bytes) -> AsyncIterator[dict | bytes]:
@@ -129,23 +132,17 @@ class EngineReplica:
 
 
 # --- routing --------------------------------------------------------------------------------
-def prompt_text(path: str, body: bytes) -> str:
-    """The text whose prefix decides the replica: a completion's prompt, a chat's messages."""
+def routing_text(routes: Sequence[Route], method: str, path: str, body: bytes) -> str:
+    """The text whose prefix decides the replica: the prompt, as a generating route declares it
+    (Route.prompt); "" (the least busy replica) for every other request."""
+    route = find_route(routes, method, path)
+    if route is None or route.prompt is None:
+        return ""
     try:
         req = json.loads(body or b"{}")
     except ValueError:
         return ""
-    if not isinstance(req, dict):
-        return ""
-    if path.endswith("/chat/completions"):
-        parts = []
-        for m in req.get("messages") or []:
-            if isinstance(m, dict):
-                content = m.get("content")
-                parts.append(f"<{m.get('role')}>" + (content if isinstance(content, str) else json.dumps(content)))
-        return "".join(parts)
-    prompt = req.get("prompt")
-    return prompt if isinstance(prompt, str) else json.dumps(prompt)
+    return route.prompt(req) if isinstance(req, dict) else ""
 
 
 @dataclass
@@ -250,6 +247,7 @@ class Router:
         self.engines = list(engines)
         self.state = RouterState(len(engines), policy)
         self.access = settings.access
+        self.routes = settings.routes
 
     async def __call__(self, request):
         from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -264,7 +262,7 @@ class Router:
         body = await request.body()
         if path == "/metrics":
             return PlainTextResponse(await self._metrics(), media_type="text/plain; version=0.0.4", headers=cors)
-        i = self.state.choose(prompt_text(path, body))
+        i = self.state.choose(routing_text(self.routes, request.method, path, body))
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in ("host", "content-length")]
         gen = self.engines[i].options(stream=True).forward.remote(request.method, path, request.url.query, headers, body)
         self.state.in_flight[i] += 1

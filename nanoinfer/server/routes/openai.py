@@ -1,0 +1,72 @@
+"""OpenAI's API: /v1/completions, /v1/chat/completions (both generate), /v1/models."""
+from __future__ import annotations
+
+import json
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from ..protocol import ChatCompletionRequest, CompletionRequest
+from ..serving import ClientGone
+from ..state import server_state
+from ..wire import parse_body, respond
+from .base import Route
+
+
+def completion_prompt(req: dict) -> str:
+    """A completion's prompt; a list of prompts or token ids as its JSON text."""
+    prompt = req.get("prompt")
+    return prompt if isinstance(prompt, str) else json.dumps(prompt)
+
+
+def chat_prompt(req: dict) -> str:
+    """A chat's messages in order, each as "<role>" and its content."""
+    parts = []
+    for m in req.get("messages") or []:
+        if isinstance(m, dict):
+            content = m.get("content")
+            parts.append(f"<{m.get('role')}>" + (content if isinstance(content, str) else json.dumps(content)))
+    return "".join(parts)
+
+
+async def completions(request: Request) -> Response:
+    s = server_state(request)
+    req = await parse_body(request, CompletionRequest, s.config.max_request_bytes)
+    try:
+        return respond(await s.serving.completions(req, request), s.config.client_read_timeout)
+    except ClientGone:
+        return Response(status_code=499)
+
+
+async def chat_completions(request: Request) -> Response:
+    s = server_state(request)
+    req = await parse_body(request, ChatCompletionRequest, s.config.max_request_bytes)
+    try:
+        return respond(await s.serving.chat(req, request), s.config.client_read_timeout)
+    except ClientGone:
+        return Response(status_code=499)
+
+
+def model_card(request: Request) -> dict:
+    s = server_state(request)
+    return {"id": s.config.model_name, "object": "model", "created": s.started, "owned_by": "nanoinfer",
+            "max_model_len": s.serving.max_model_len,
+            # native: the chat template lists tools; injected: the server writes them into the prompt
+            "tool_calling": "native" if s.serving.tokenizer.native_tools else "injected"}
+
+
+async def models(request: Request) -> dict:
+    return {"object": "list", "data": [model_card(request)]}
+
+
+async def model(model_id: str, request: Request) -> dict:
+    server_state(request).serving.check_model(model_id)
+    return model_card(request)
+
+
+ROUTES = (
+    Route("POST", "/v1/completions", completions, prompt=completion_prompt),
+    Route("POST", "/v1/chat/completions", chat_completions, prompt=chat_prompt),
+    Route("GET", "/v1/models", models),
+    Route("GET", "/v1/models/{model_id:path}", model),
+)
