@@ -75,7 +75,7 @@ def load_llm(a: argparse.Namespace):
         # nanochat's windows let it slide past sequence_len (up to 10x): widen its rotary table
         overrides = {"max_position_embeddings": a.max_model_len}
     llm = LLM(a.model, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len, model_overrides=overrides,
-              speculative_config=a.speculative_config)
+              speculative_config=a.speculative_config, attention_backend=a.attention_backend)
     lm = llm.loaded
     formats = ", ".join(f"{n} {f}" for f, n in sorted(lm.info.get("tensor_formats", {}).items(), key=lambda x: -x[1]))
     print(f"[{lm.path.name}: {lm.format}, {lm.config.architecture}, {parameter_count(lm.model) / 1e6:.0f}M params"

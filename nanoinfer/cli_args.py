@@ -52,9 +52,11 @@ def add_model_arg(p: argparse.ArgumentParser) -> None:
 
 def add_model_args(p: argparse.ArgumentParser, *, dtype: str | None = "auto", dtype_rule: str = "",
                    max_model_len: bool = True, device: str | None = "cpu",
-                   device_rule: str = "cuda when available", threads: bool = True) -> None:
-    """--model, --dtype, --device, --threads (unless threads=False: bench has its own) and
-    (unless max_model_len=False) --max-model-len. dtype=None or device=None: the command picks
+                   device_rule: str = "cuda when available", threads: bool = True,
+                   attention_backend: bool = True) -> None:
+    """--model, --dtype, --device, --threads (unless threads=False: bench has its own),
+    (unless max_model_len=False) --max-model-len and (unless attention_backend=False: a
+    command with no KV cache) --attention-backend. dtype=None or device=None: the command picks
     one later, as `dtype_rule` or `device_rule` tells the help."""
     add_model_arg(p)
     if threads:
@@ -64,6 +66,10 @@ def add_model_args(p: argparse.ArgumentParser, *, dtype: str | None = "auto", dt
                    help=f"auto (a GGUF as stored, on the block-format kernels) | float32 | bfloat16 | float16 "
                         f"(default {dtype or dtype_rule})")
     p.add_argument("--device", default=device, help=f"cpu | cuda | cuda:N (default {device or device_rule})")
+    if attention_backend:
+        p.add_argument("--attention-backend", default="auto", metavar="NAME",
+                       help="cpu (the compiled CPU kernel) | torch (plain PyTorch, any device) | a backend registered "
+                            "by name (default auto: the first of those that runs on the device and KV dtype)")
     if max_model_len:
         p.add_argument("--max-model-len", type=positive_int, default=None, help="context window (default: the model's)")
 
@@ -117,9 +123,11 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: int | str = 64,
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
-    """add_engine_args' flags (kv_cache=True) as `LLM(...)`'s engine arguments."""
+    """add_engine_args' flags (kv_cache=True), and add_model_args' --attention-backend, as
+    `LLM(...)`'s engine arguments."""
     return dict(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                 kv_cache_memory=a.kv_cache_memory, kv_cache_dtype=a.kv_cache_dtype,
+                attention_backend=a.attention_backend,
                 enable_prefix_caching=not a.no_prefix_caching,
                 tensor_parallel_size=getattr(a, "tensor_parallel_size", 1),
                 constraint_limits=a.structured_outputs_config)

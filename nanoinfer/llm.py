@@ -27,7 +27,8 @@ class LLM:
     def __init__(self, model: str | Path | None = None, *, dtype: str = "auto", device: str = "cpu",
                  model_overrides: dict | None = None, **engine_args):
         """engine_args: the fields of EngineConfig (max_model_len, kv_cache_memory, block_size,
-        max_num_seqs, max_num_batched_tokens, enable_prefix_caching, enable_tools).
+        max_num_seqs, max_num_batched_tokens, enable_prefix_caching, enable_tools, kv_cache_dtype,
+        attention_backend: a registered name, or "auto").
         model_overrides: nanochat checkpoint selection and constants (see loaders.load_model)."""
         if dtype not in DTYPES:
             raise InvalidRequestError(f"dtype={dtype!r} must be one of {', '.join(DTYPES)}")

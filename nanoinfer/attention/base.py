@@ -1,21 +1,27 @@
-"""What every attention backend shares: the per-layer parameters, the interface a model
-layer calls, and the dense attention the PyTorch paths are built from.
+"""What every attention backend shares: the per-layer parameters, the step as the runner
+describes it, the interface a backend implements, and the dense attention the PyTorch paths
+are built from.
 
-A layer computes q, k, v for a flat run of T new tokens and calls
-`backend.forward(layer, q, k, v, metadata)`; the backend stores k and v where its cache
-keeps them and returns the attention output. The metadata says, for this step, where
-each token's k/v go and which keys each query sees; the model never reads it.
+Once per step the runner describes its batch in an AttentionBatch and the backend's
+`prepare` turns that into metadata of its own (slot tensors, padded block tables,
+cu_seqlens, whatever its kernel reads). Then each layer computes q, k, v for the flat run
+of T new tokens and calls `backend.forward(layer, q, k, v, metadata)`; the backend stores k
+and v where its cache keeps them and returns the attention output. The model never reads
+the metadata.
 """
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
+from .kv_cache import PagedKVCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,10 +39,56 @@ def layer_params(config: ModelConfig) -> list[AttentionParams]:
     return [AttentionParams(scale, window, config.attn_softcap) for window in config.windows()]
 
 
-class AttentionBackend(Protocol):
+def index_tensor(values: list, device: torch.device) -> torch.Tensor:
+    """An int64 tensor of a list (or a list of equal lists) of Python ints, as torch.tensor
+    makes it at several times the speed: numpy converts a 32 x 32 block table in 30 us, torch
+    in 280, and a step makes a handful of these tensors."""
+    return torch.from_numpy(np.array(values, dtype=np.int64)).to(device)
+
+
+@dataclass(slots=True)
+class AttentionBatch:
+    """One step's sequences as the runner hands them to every backend (vLLM v1's
+    CommonAttentionMetadata), still Python lists: each backend's `prepare` makes tensors, in
+    its own layout, of what it reads and nothing else. Sequence i's new tokens are rows
+    query_start_loc[i] .. query_start_loc[i + 1] of the flat batch, at the last positions of
+    its seq_lens[i] keys."""
+
+    query_start_loc: list[int]  # [S + 1], ends with T
+    seq_lens: list[int]  # [S] keys each sequence has once this step's are stored: cached + new
+    block_tables: list[list[int]]  # [S] each sequence's block ids (at least ceil(seq_len / block_size))
+    slot_mapping: list[int]  # [T] where each new token's k/v go: block * block_size + offset
+    positions: list[int]  # [T]
+    logits_indices: list[int]  # rows whose logits are wanted
+
+
+@dataclass
+class AttentionBackend(ABC):
+    """Attention over the paged KV pool. A backend is one subclass (built with the layers'
+    params and the pool) and one `register_backend(name, cls)` line (registry.py)."""
+
+    params: list[AttentionParams]  # per layer
+    cache: PagedKVCache
+    # An allow-list: True lets the compiled decoder stack (models/stack.py) run a step in the
+    # layers' place, attending as csrc/paged_attention.cpp does over the PagedMetadata this
+    # backend prepared with every row a one-row query. Only a backend computing those bits may say so.
+    fused_stack: ClassVar[bool] = False
+
+    @classmethod
+    @abstractmethod
+    def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether it runs on this device over a KV cache of this dtype: asked before the
+        pool exists, of each registered backend in order by "auto", of a named one to refuse it."""
+
+    @abstractmethod
+    def prepare(self, batch: AttentionBatch) -> Any:
+        """This step's metadata in the backend's own type: built once per step, handed to
+        every layer's `forward`."""
+
+    @abstractmethod
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: Any) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, H, D]."""
-        ...
+        """q: [T, H, D]; k, v: [T, Hkv, D] for the new tokens, stored before attending.
+        Returns [T, H, D]."""
 
 
 def causal_mask(start: int, T: int, window: int | None, device: torch.device | str = "cpu") -> torch.Tensor:

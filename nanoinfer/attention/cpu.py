@@ -17,14 +17,16 @@ from .paged import PagedMetadata, TorchPagedAttention
 
 @dataclass
 class CpuPagedAttention(TorchPagedAttention):
-    every_row_reads_the_cache = True  # the runner makes every row a one-row query (no prefill slices)
+    every_row_reads_the_cache = True  # prepare makes every row a one-row query (no prefill slices)
+    fused_stack = True  # the compiled decoder stack attends with this same kernel over this same metadata
+
+    @classmethod
+    def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:
+        # decode_supported reads a cache tensor's device and dtype only: an empty one stands in
+        return device.type == "cpu" and cpu_kernels.decode_supported(torch.empty(0, dtype=dtype))
 
     def decode(self, layer: int, q: torch.Tensor, out: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                meta: PagedMetadata) -> None:
         p = self.params[layer]
         cpu_kernels.paged_decode(q, out, meta.decode_rows, kc, vc, meta.decode_tables, meta.decode_ctx,
                                  meta.decode_max_ctx, p.window, p.scale, p.softcap)
-
-    @staticmethod
-    def supported(cache_tensor: torch.Tensor) -> bool:
-        return cpu_kernels.decode_supported(cache_tensor)

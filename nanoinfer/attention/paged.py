@@ -1,9 +1,9 @@
-"""Attention over a paged KV cache in plain PyTorch (any device), and the step's metadata.
+"""Attention over a paged KV cache in plain PyTorch (any device), and its step metadata.
 
 New keys/values are scattered into their slots; then each prefill chunk attends over its
 gathered blocks with a causal mask offset by what was cached, and all one-token queries
-(decodes) attend in one padded batched call. Backends that read the blocks in place
-(csrc/paged_attention.cpp on the CPU; a GPU kernel later) replace the decode half.
+(decodes) attend in one padded batched call. The CPU backend (cpu.py) reads the blocks in
+place with csrc/paged_attention.cpp instead and shares this metadata.
 """
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import AttentionParams, attend, causal_mask, sdpa
-from .kv_cache import PagedKVCache
+from .base import AttentionBackend, AttentionBatch, attend, causal_mask, index_tensor, sdpa
 
 
 @dataclass
@@ -41,6 +40,33 @@ class PagedMetadata:
     decode_max_ctx: int = 0  # the largest decode_ctx
     _decode_masks: dict = field(default_factory=dict)  # window -> [B, 1, 1, S], built once per step
 
+    @classmethod
+    def build(cls, batch: AttentionBatch, block_size: int, device: torch.device, every_row: bool) -> PagedMetadata:
+        """every_row: every row is a one-row query over the cache, as the CPU kernel reads it;
+        else a sequence with several new tokens attends as one prefill slice."""
+        starts, lens, tables = batch.query_start_loc, batch.seq_lens, batch.block_tables
+        counts = [end - start for start, end in zip(starts, starts[1:])]  # each sequence's new tokens
+        # sequences whose rows are one-row queries: all, or those with one new token (decodes)
+        row_seqs = range(len(lens)) if every_row else [i for i, n in enumerate(counts) if n == 1]
+        prefills = [] if every_row else [
+            PrefillSlice(starts[i], n, lens[i], index_tensor(tables[i][:-(-lens[i] // block_size)], device))
+            for i, n in enumerate(counts) if n > 1]
+        meta = cls(index_tensor(batch.slot_mapping, device), prefills, None, None, None)
+        if row_seqs:
+            # every row: its sequence's block table (padded to one width) and the keys it sees (its position + 1)
+            ctx = [p + 1 for p in batch.positions] if every_row else [lens[i] for i in row_seqs]
+            max_ctx = max(ctx)
+            width = -(-max_ctx // block_size)
+            row_tables = []
+            for i in row_seqs:
+                row_tables.extend([(tables[i] + [0] * width)[:width]] * counts[i])
+            meta.decode_rows = (torch.arange(starts[-1], device=device) if every_row
+                                else index_tensor([starts[i] for i in row_seqs], device))
+            meta.decode_tables = index_tensor(row_tables, device)
+            meta.decode_ctx = index_tensor(ctx, device).unsqueeze(1)
+            meta.decode_max_ctx = max_ctx
+        return meta
+
     def decode_mask(self, window: int | None, block_size: int) -> torch.Tensor:
         if window not in self._decode_masks:
             S = self.decode_tables.shape[1] * block_size
@@ -53,10 +79,15 @@ class PagedMetadata:
 
 
 @dataclass
-class TorchPagedAttention:
-    params: list[AttentionParams]  # per layer
-    cache: PagedKVCache
+class TorchPagedAttention(AttentionBackend):
     every_row_reads_the_cache = False  # prefill chunks attend in slices (SDPA); only decodes go row by row
+
+    @classmethod
+    def supports(cls, device: torch.device, dtype: torch.dtype) -> bool:
+        return True  # whatever PyTorch runs on
+
+    def prepare(self, batch: AttentionBatch) -> PagedMetadata:
+        return PagedMetadata.build(batch, self.cache.block_size, self.cache.k.device, self.every_row_reads_the_cache)
 
     def forward(self, layer, q, k, v, meta: PagedMetadata):
         kc, vc = self.cache.k[layer], self.cache.v[layer]  # [blocks, block_size, Hkv, D]

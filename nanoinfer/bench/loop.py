@@ -75,7 +75,8 @@ def run_cached(env: BenchEnv, prompt: list[int], output_len: int) -> tuple[list[
     engine = LLMEngine(env.loaded, EngineConfig(
         max_model_len=total_len, kv_cache_memory=kv_pool_bytes(env.roofline, [total_len, 16], BLOCK_SIZE),
         block_size=BLOCK_SIZE, max_num_seqs=1, max_num_batched_tokens=max(len(prompt), 16),
-        enable_prefix_caching=False))  # the warm-up must not hand the run a cached prefix
+        enable_prefix_caching=False,  # the warm-up must not hand the run a cached prefix
+        attention_backend=env.args.attention_backend))
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     engine.add_request("warmup", prompt[:8], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     while engine.has_unfinished():

@@ -216,7 +216,7 @@ def add_perplexity_parser(subparsers) -> argparse.ArgumentParser:
                     "tokens, each evaluated alone, scored on their second half. Running figures and the final "
                     "estimate on stdout, progress on stderr.")
     p.add_argument("file", metavar="FILE", help="UTF-8 text (at least 2 x CTX tokens)")
-    add_model_args(p, max_model_len=False)
+    add_model_args(p, max_model_len=False, attention_backend=False)  # each chunk runs uncached
     p.add_argument("--ctx", "-c", type=positive_int, default=512, help="tokens per chunk (default 512)")
     p.add_argument("--chunks", type=positive_int, default=None, help="evaluate the first N chunks only (default all)")
     p.add_argument("--json", action="store_true", help="end with one JSON line of every figure")

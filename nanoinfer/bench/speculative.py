@@ -99,7 +99,8 @@ def run_speculative(env: BenchEnv, args: argparse.Namespace, decode_len: int) ->
     prompts = {name: task_prompt(env.loaded.tokenizer, parts, context - decode_len)
                for name, parts in tasks().items()}
     max_len = min(max(map(len, prompts.values())) + decode_len + 32, context)
-    base_cfg = EngineConfig(max_model_len=max_len, max_num_seqs=1, max_num_batched_tokens=max_len)
+    base_cfg = EngineConfig(max_model_len=max_len, max_num_seqs=1, max_num_batched_tokens=max_len,
+                            attention_backend=env.args.attention_backend)
     engines = {"off": LLMEngine(env.loaded, base_cfg),
                "on": LLMEngine(env.loaded, replace(base_cfg, speculative_config=config))}
     for e in engines.values():  # first calls pay for lazy set-up

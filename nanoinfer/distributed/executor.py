@@ -2,10 +2,12 @@
 sampling, detokenising, the server); ranks 1..N-1 are workers that hold their share of the
 weights and of the KV pool and run each forward in step with rank 0.
 
-Per step, rank 0 broadcasts what its ModelRunner built (token ids, positions, the attention
-metadata: slots, block tables, context lengths) and the step's block copies; every rank runs
-the forward, whose collectives (an all-reduce after attention and after the MLP, an
-all-gather of the logits) keep them in lock step. Nothing else crosses a process boundary.
+Per step, rank 0 broadcasts what its ModelRunner built (token ids, positions, the metadata
+its attention backend prepared: slots, block tables, context lengths) and the step's block
+copies; every rank runs the forward with the same backend class (WorkerSetup names it), so
+reads that metadata as rank 0 does, and the forward's collectives (an all-reduce after
+attention and after the MLP, an all-gather of the logits) keep them in lock step. Nothing
+else crosses a process boundary.
 
 Workers start as local processes (spawned here, with the group on a local TCP port), or are
 started by `torchrun` on one or several machines (`torchrun ... -m nanoinfer serve ...`:
@@ -23,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..attention import PagedKVCache, get_backend, layer_params
+from ..attention import AttentionBackend, PagedKVCache, layer_params
 from ..models.batch import ForwardBatch
 from ..models.builder import load_model
 from . import parallel
@@ -40,6 +42,7 @@ class WorkerSetup:
     block_size: int
     kv_dtype: torch.dtype
     context: int  # the engine's max_model_len (LongRoPE picks its factors from it)
+    attention_backend: type[AttentionBackend]  # rank 0's (pickled by name: a worker imports its module)
 
 
 def launched_by_torchrun() -> bool:
@@ -111,7 +114,7 @@ def serve_steps(rank: int, world: int, device: str) -> None:
     cfg = rank_config(loaded.config, world)
     cache = PagedKVCache.allocate(cfg.num_layers, setup.num_blocks, setup.block_size, cfg.num_kv_heads, cfg.head_dim,
                                   setup.kv_dtype, device)
-    backend = get_backend(layer_params(cfg), cache)
+    backend = setup.attention_backend(layer_params(cfg), cache)
     while True:
         msg: Any = parallel.broadcast()
         if msg[0] == "stop":

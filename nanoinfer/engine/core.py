@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..attention import PagedKVCache
+from ..attention import PagedKVCache, backend_class
 from ..distributed.executor import TensorParallelExecutor, WorkerSetup
 from ..distributed.sharding import rank_config
 from ..errors import InvalidRequestError, NanoinferError, RequestFailedError
@@ -47,6 +47,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_tools: bool = True  # run tools (the calculator) when the vocabulary has their marker tokens
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES: "auto" is kv_cache_dtype()'s rule
+    attention_backend: str = "auto"  # a registered name (attention/), or the first that runs on the device and KV dtype
     speculative_config: SpeculativeConfig | dict | None = None  # vLLM's: {"method": "ngram", ...}
     constraint_limits: ConstraintLimits | dict | None = None  # structured outputs' limits (None: the defaults)
     # >1: the model split over this many processes (distributed/): the model must have been
@@ -84,6 +85,8 @@ class LLMEngine:
         param = next(self.model.parameters())
         self.dtype, self.device = param.dtype, param.device
         self.kv_dtype = kv_cache_dtype(self.model, config.kv_cache_dtype)
+        # a backend that cannot run here is refused now, before a pool or a worker exists
+        self.attention_backend = backend_class(config.attention_backend, self.device, self.kv_dtype)
         tp = config.tensor_parallel_size
         rank_mc = rank_config(mc, tp) if tp > 1 else mc  # what this process's attention and KV pool hold
         # One sequence must always fit in the pool, or preemption could never make room.
@@ -108,8 +111,8 @@ class LLMEngine:
             self.executor = TensorParallelExecutor(tp, str(self.device))
             src = loaded.source
             self.executor.setup(WorkerSetup(src["path"], src["dtype"], src["overrides"], num_blocks, config.block_size,
-                                            self.kv_dtype, self.max_model_len))
-        self.runner = ModelRunner(self.model, rank_mc, self.cache, self.executor)
+                                            self.kv_dtype, self.max_model_len, self.attention_backend))
+        self.runner = ModelRunner(self.model, rank_mc, self.cache, self.attention_backend, self.executor)
         self.tools = bind_tools(self.tokenizer) if config.enable_tools else []
         self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size, ConstraintLimits.of(config.constraint_limits))
         self.spec = SpeculativeConfig.of(config.speculative_config)
@@ -120,7 +123,7 @@ class LLMEngine:
                                                       for i in range(tok.vocab_size)])
         elif self.spec is not None:
             self.proposer = DraftModelProposer(self.spec, loaded, num_blocks, config.block_size, self.max_model_len,
-                                               self.kv_dtype)
+                                               self.kv_dtype, self.attention_backend)
         self.step_times = StepTimes()  # decode steps' times by rows: what checking guesses costs here
         self.spec_proposed = self.spec_accepted = 0  # proposed and accepted tokens, for metrics
         self.spec_checks = 0  # sequence-steps that checked guesses

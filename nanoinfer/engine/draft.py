@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..attention import PagedKVCache
+from ..attention import AttentionBackend, PagedKVCache
 from ..errors import InvalidRequestError
 from ..kernels.quant_linear import has_block_weights
 from ..models.builder import LoadedModel, load_model
@@ -56,8 +56,9 @@ def same_vocabulary(a, b) -> bool:
 
 class DraftModelProposer:
     def __init__(self, config: SpeculativeConfig, target: LoadedModel, num_blocks: int, block_size: int,
-                 max_model_len: int, kv_dtype: torch.dtype):
-        """num_blocks: as many as the target's pool (a draft block per target block)."""
+                 max_model_len: int, kv_dtype: torch.dtype, backend: type[AttentionBackend]):
+        """num_blocks: as many as the target's pool (a draft block per target block); backend: the
+        target's attention backend (same device, same KV dtype)."""
         device = next(target.model.parameters()).device
         dtype = None if has_block_weights(target.model) else next(target.model.parameters()).dtype
         self.loaded = draft = load_model(config.model, dtype=dtype, device=device)
@@ -68,7 +69,7 @@ class DraftModelProposer:
         self.cache = PagedKVCache.allocate(mc.num_layers, num_blocks, block_size, mc.num_kv_heads, mc.head_dim,
                                            kv_dtype, device)
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
-        self.runner = ModelRunner(draft.model, mc, self.cache)
+        self.runner = ModelRunner(draft.model, mc, self.cache, backend)
         self.max_len = min(max_model_len, mc.max_position_embeddings)
         if hasattr(draft.model, "set_context"):
             draft.model.set_context(self.max_len)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..attention import PagedKVCache, PagedMetadata, PrefillSlice, get_backend, layer_params
+from ..attention import AttentionBackend, AttentionBatch, PagedKVCache, index_tensor, layer_params
 from ..config import ModelConfig
 from ..distributed.executor import TensorParallelExecutor
 from ..models.batch import ForwardBatch
@@ -25,29 +25,30 @@ class StepRows:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, config: ModelConfig, cache: PagedKVCache,
-                 executor: TensorParallelExecutor | None = None):
+                 backend: type[AttentionBackend], executor: TensorParallelExecutor | None = None):
         """config: what this process's attention holds (a tensor-parallel rank: its heads);
+        backend: the attention backend's class (attention.backend_class chose it);
         executor: the other ranks, handed each step before this rank runs it."""
         self.model = model
         self.executor = executor
         self.config = config
         self.cache = cache
         self.device = cache.k.device
-        self.attention = get_backend(layer_params(config), cache)
+        self.attention = backend(layer_params(config), cache)
         # Models that mix in the previous token (nanochat's smear) get its id for every position.
         self.needs_prev_ids = getattr(model, "needs_prev_ids", False)
 
     def build(self, batch: ScheduledBatch) -> tuple[ForwardBatch, StepRows]:
         """Flatten the batch into one forward, and say which sequences (indices into
-        batch.seqs) the logits rows belong to."""
+        batch.seqs) the logits rows belong to. The attention backend shapes its own
+        metadata from the step's AttentionBatch."""
         bs = self.cache.block_size
-        per_row = self.attention.every_row_reads_the_cache  # every row a one-row query up to its position
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        prefills: list[PrefillSlice] = []
-        row_seqs: list[int] = []  # sequences whose rows are one-row queries
-        row_starts: list[int] = []
+        starts = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
         logits_rows: list[int] = []
         rows = StepRows()
         prompt_rows: list[int] = []
@@ -62,12 +63,9 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            if per_row or n == 1:
-                row_seqs.append(i)
-                row_starts.append(q_start)
-            else:
-                prefills.append(PrefillSlice(q_start, n, start + n,
-                                             torch.tensor(table[:-(-(start + n) // bs)], device=self.device)))
+            starts.append(len(ids))
+            seq_lens.append(start + n)
+            tables.append(table)
             if start + n - spec == seq.length:  # caught up with its tokens: it samples the next one(s)
                 logits_rows.extend(range(len(ids) - 1 - spec, len(ids)))
                 rows.samplers.extend([i] * (1 + spec))
@@ -76,30 +74,13 @@ class ModelRunner:
                 if end > first:
                     rows.prompt.append((i, first, end - first))
                     prompt_rows.extend(range(q_start + first - start, q_start + end - start))
-        meta = PagedMetadata(torch.tensor(slots, device=self.device), prefills, None, None, None)
-        if row_seqs:
-            meta.decode_rows = (torch.arange(len(ids), device=self.device) if per_row
-                                else torch.tensor(row_starts, device=self.device))
-            meta.decode_tables, meta.decode_ctx, meta.decode_max_ctx = self._row_metadata(batch, row_seqs)
+        logits_indices = logits_rows + prompt_rows
+        meta = self.attention.prepare(AttentionBatch(starts, seq_lens, tables, slots, positions, logits_indices))
         forward = ForwardBatch(
-            torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), self.attention, meta,
-            torch.tensor(logits_rows + prompt_rows, dtype=torch.long, device=self.device),
-            torch.tensor(prev, device=self.device) if self.needs_prev_ids else None,
+            index_tensor(ids, self.device), index_tensor(positions, self.device), self.attention, meta,
+            index_tensor(logits_indices, self.device), index_tensor(prev, self.device) if self.needs_prev_ids else None,
         )
         return forward, rows
-
-    def _row_metadata(self, batch: ScheduledBatch, which: list[int]):
-        """For every row of the sequences `which` (in order): its sequence's block table
-        (padded to one width), the keys it sees (its position + 1), and the largest of those."""
-        bs = self.cache.block_size
-        seqs = [(batch.seqs[i], batch.num_tokens[i]) for i in which]
-        width = max(-(-(seq.num_computed + n) // bs) for seq, n in seqs)
-        tables, ctx = [], []
-        for seq, n in seqs:
-            tables.extend([(seq.block_table + [0] * width)[:width]] * n)
-            ctx.extend(range(seq.num_computed + 1, seq.num_computed + n + 1))
-        return (torch.tensor(tables, device=self.device),
-                torch.tensor(ctx, device=self.device).unsqueeze(1), max(ctx))
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, StepRows]:

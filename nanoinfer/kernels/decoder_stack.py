@@ -116,8 +116,9 @@ class DecoderStack:
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
             tables: torch.Tensor, ctx: torch.Tensor, max_ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the embeddings [T, hidden] fp32; cos, sin [T, 1, head_dim / 2] fp32; then the
-        CPU attention backend's metadata for T one-row queries. Returns the last layer's
-        output and the residual stream, as the layer modules' loop does."""
+        paged attention metadata of T one-row queries (the step's slots, each row's block
+        table, context and the largest context), as the CPU attention backend prepares it.
+        Returns the last layer's output and the residual stream, as the layer modules' loop does."""
         T = x.shape[0]
         x = x.contiguous().clone()  # the call writes its output over its input
         residual = torch.empty_like(x)

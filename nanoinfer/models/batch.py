@@ -20,8 +20,8 @@ class ForwardBatch:
 
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
-    attention: AttentionBackend | None = None
-    attn_metadata: Any = None
+    attention: AttentionBackend | CausalAttention | None = None
+    attn_metadata: Any = None  # what attention.prepare built for this step
     logits_indices: torch.Tensor | None = None  # rows whose logits are wanted; None: all T
     prev_ids: torch.Tensor | None = None  # each token's predecessor in its sequence, -1 at position 0
 

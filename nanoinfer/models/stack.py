@@ -1,14 +1,15 @@
 """The Llama module's decoder layers handed to the compiled decoder stack
 (kernels/decoder_stack.py) when everything they hold can run there: every projection in GGUF
-blocks with a kernel, the CPU paged-attention backend (every row a one-row query over the
-cache), fp32 activations. Otherwise the modules run one by one, computing the same bits.
+blocks with a kernel, an attention backend that declares `fused_stack` (an allow-list: the
+CPU paged-attention backend, whose kernel and metadata the stack shares), fp32 activations.
+Otherwise the modules run one by one, computing the same bits.
 
 One stack per KV cache: it holds the cache's per-layer tensors."""
 from __future__ import annotations
 
 from torch import nn
 
-from ..attention import CpuPagedAttention
+from ..attention import AttentionBackend
 from ..kernels import decoder_stack
 from ..kernels.decoder_stack import DecoderStack, LayerWeights, LinearWeights
 from ..kernels.quant_linear import QuantLinear
@@ -21,7 +22,7 @@ def _linear(module: nn.Module) -> LinearWeights | None:
     return LinearWeights([(p.qtype, getattr(module, f"part{i}")) for i, p in enumerate(module.parts)], module.bias)
 
 
-def _build(model: nn.Module, attention: CpuPagedAttention) -> DecoderStack | None:
+def _build(model: nn.Module, attention: AttentionBackend) -> DecoderStack | None:
     config = model.config
     if config.rope_layers is not None and not all(config.rope_layers):
         return None  # the compiled stack rotates q and k in every layer
@@ -49,7 +50,7 @@ def stack_for(model: nn.Module, batch: ForwardBatch) -> DecoderStack | None:
     """The compiled stack for this batch's cache, built on first use, or None where the
     layer modules must run."""
     attention = batch.attention
-    if not (isinstance(attention, CpuPagedAttention) and model.use_decoder_stack
+    if not (isinstance(attention, AttentionBackend) and attention.fused_stack and model.use_decoder_stack
             and model.model.norm.weight.device.type == "cpu"):
         return None
     cached = model.__dict__.get("_decoder_stack")
@@ -61,6 +62,6 @@ def stack_for(model: nn.Module, batch: ForwardBatch) -> DecoderStack | None:
 
 def run(stack: DecoderStack, x, cos, sin, batch: ForwardBatch):
     meta = batch.attn_metadata
-    assert not meta.prefills  # the CPU backend makes every row a one-row query
+    assert not meta.prefills  # a fused_stack backend makes every row a one-row query
     return stack.run(x, cos, sin, meta.slot_mapping, meta.decode_rows, meta.decode_tables,
                      meta.decode_ctx.view(-1), meta.decode_max_ctx)
