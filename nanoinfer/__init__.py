@@ -1,5 +1,5 @@
 """nanoinfer: a small, readable LLM inference engine in Python and PyTorch."""
-from .engine.sequence import CompletionOutput, FinishCause, RequestOutput, StreamDelta
+from .engine.outputs import CompletionOutput, FinishCause, RequestOutput, StreamDelta
 from .errors import InvalidRequestError, ModelLoadError, NanoinferError
 from .llm import LLM
 from .sampling import SamplingParams

@@ -116,6 +116,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: int | str = 64,
                        help="the KV cache's dtype (default auto: bfloat16 for GGUF weights run in their blocks on the "
                             "CPU, else the model's dtype)")
         g.add_argument("--no-prefix-caching", action="store_true", help="turn off prefix caching")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="fcfs (default), or priority: requests with a lower `priority` value are admitted first and "
+                        "preempted last")
     g.add_argument("--structured-outputs-config", type=json_object, default=None, metavar="JSON",
                    help='limits on a request\'s structured-output constraint, e.g. \'{"mask_budget_seconds": 0.2, '
                         '"compile_seconds": 10, "max_rules": 5000, "max_schema_depth": 1000}\' '
@@ -130,7 +133,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 attention_backend=a.attention_backend,
                 enable_prefix_caching=not a.no_prefix_caching,
                 tensor_parallel_size=getattr(a, "tensor_parallel_size", 1),
-                constraint_limits=a.structured_outputs_config)
+                constraint_limits=a.structured_outputs_config, scheduling_policy=a.scheduling_policy)
 
 
 # --- sampling ----------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import torch
 
 from .distributed.sharding import shard_model
 from .engine import EngineConfig, LLMEngine
-from .engine.sequence import RequestOutput, StreamDelta
+from .engine.outputs import RequestOutput, StreamDelta
 from .errors import InvalidRequestError
 from .models.builder import load_model
 from .sampling import SamplingParams
@@ -91,26 +91,32 @@ class LLM:
             raise InvalidRequestError(f"{len(params)} sampling params for {n} prompts")
         return list(params)
 
-    def _submit(self, prompt: Prompt, params: SamplingParams, parse_special: bool = True) -> str:
+    def _submit(self, prompt: Prompt, params: SamplingParams, parse_special: bool = True, priority: int = 0) -> str:
         text, ids = self._prompt_ids(prompt, parse_special)
         rid = str(next(self._ids))
-        self.engine.add_request(rid, ids, params, prompt=text)
+        self.engine.add_request(rid, ids, params, prompt=text, priority=priority)
         return rid
 
     # --- generation -------------------------------------------------------------
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False, parse_special: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = False, parse_special: bool = True,
+                 priority: Seq[int] | None = None) -> list[RequestOutput]:
         """Run the prompts together (continuous batching) and return one output per prompt,
         in order. use_tqdm: a progress bar of finished requests on stderr. parse_special=False:
-        special-token text in text prompts stays plain text."""
+        special-token text in text prompts stays plain text. priority: one per prompt, vLLM's
+        (lower first), read by the "priority" scheduling policy."""
         plist = self._as_list(prompts)
         params = self._params_list(sampling_params, len(plist))
+        priorities = [0] * len(plist) if priority is None else [int(p) for p in priority]
+        if len(priorities) != len(plist):
+            raise InvalidRequestError(f"{len(priorities)} priorities for {len(plist)} prompts")
         # Validate every prompt before any runs, so one bad prompt loses nothing.
         prepared = [self._prompt_ids(p, parse_special) for p in plist]
         for (_, ids), p in zip(prepared, params):
             self.engine.validate_request(ids, p)
-        rids = [self._submit({"prompt": t, "prompt_token_ids": ids}, p) for (t, ids), p in zip(prepared, params)]
+        rids = [self._submit({"prompt": t, "prompt_token_ids": ids}, p, priority=rank)
+                for (t, ids), p, rank in zip(prepared, params, priorities)]
         bar = None
         if use_tqdm:
             from tqdm import tqdm

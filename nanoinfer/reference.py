@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .attention import CausalAttention, layer_params
-from .engine.sequence import ForwardStat
+from .engine.outputs import ForwardStat
 from .models.batch import ForwardBatch
 
 

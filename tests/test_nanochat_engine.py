@@ -85,14 +85,14 @@ def test_compat_engine_raises_a_failed_request(llm, monkeypatch):
     from nanoinfer.errors import RequestFailedError
     from nanoinfer.sampling import RowSampler
 
-    sample = RowSampler.sample
+    commit = RowSampler.commit
 
-    def faulty(self, logits, argmax=None):
+    def faulty(self, token, generator_state=None):
         if self.num_generated == 2:
             raise ArithmeticError("injected")
-        return sample(self, logits, argmax)
+        return commit(self, token, generator_state)
 
-    monkeypatch.setattr(RowSampler, "sample", faulty)
+    monkeypatch.setattr(RowSampler, "commit", faulty)
     engine = Engine(llm.loaded.model, llm.tokenizer)
     prompt = llm.tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
     with pytest.raises(RequestFailedError, match="injected"):

@@ -132,14 +132,14 @@ def test_forks_count_against_max_num_seqs(llama_dir):
 @pytest.fixture
 def failing_seed(monkeypatch):
     """Sampling raises for rows seeded 13: a stand-in for any bug in one request's processing."""
-    sample = RowSampler.sample
+    commit = RowSampler.commit
 
-    def faulty(self, logits, argmax=None):
+    def faulty(self, token, generator_state=None):
         if self.params.seed == 13 and self.num_generated == 2:
             raise ArithmeticError("injected")
-        return sample(self, logits, argmax)
+        return commit(self, token, generator_state)
 
-    monkeypatch.setattr(RowSampler, "sample", faulty)
+    monkeypatch.setattr(RowSampler, "commit", faulty)
     return 13
 
 

@@ -48,6 +48,11 @@ def _soak(a: argparse.Namespace) -> int:
     return run(a)
 
 
+def _sampler(a: argparse.Namespace) -> int:
+    from .sampler import run
+    return run(a)
+
+
 def _add_commands(sub) -> None:
     lat = sub.add_parser("latency", help="TTFT, TPOT, tok/s, MBU and MFU per batch size, against the roofline",
                          description="Prefill B prompts in one step, then decode; per batch size.")
@@ -86,6 +91,9 @@ def _add_commands(sub) -> None:
     thr.add_argument("--compare", default=None, choices=["transformers"],
                      help="also run the same requests through transformers' generate()")
     add_speculative_arg(thr)
+    thr.add_argument("--priority-levels", type=int, default=1,
+                     help="request i gets priority i %% K (with --scheduling-policy priority: lower first); the "
+                          "median TTFT of each level is reported (default 1: all 0)")
     thr.add_argument("--structured", default=None, choices=["json"],
                      help="also run every request under a JSON schema and compare (structured outputs)")
     thr.add_argument("--rounds", type=int, default=1,
@@ -148,6 +156,16 @@ def _add_commands(sub) -> None:
     soak.add_argument("--every", type=int, default=100, help="read RSS after every N requests (default 100)")
     soak.add_argument("--seed", type=int, default=0, help="seed of the mix and the prompts (default 0)")
     soak.set_defaults(func=_soak)
+    smp = sub.add_parser("sampler", help="a step's sampling: the batched sampler against the per-row path, in one run")
+    smp.add_argument("--rows", type=int, default=256, help="rows sampled in the step (default 256)")
+    smp.add_argument("--vocab", type=int, default=49152, help="vocabulary size (default 49152, SmolLM2's)")
+    smp.add_argument("--spread", type=float, default=4.0, help="the logits' standard deviation (default 4)")
+    smp.add_argument("--mixes", default="top_p,temperature,top_k,penalties,greedy+bias",
+                     help="comma-separated sampling mixes (default all)")
+    smp.add_argument("--repeats", type=int, default=3, help="alternating runs; the median is shown (default 3)")
+    smp.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    smp.add_argument("--seed", type=int, default=0, help="seed of the logits (default 0)")
+    smp.set_defaults(func=_sampler)
 
 
 DESCRIPTION = ("Benchmarks. Tables on stdout, progress on stderr; the last stdout line is one JSON document "
@@ -155,8 +173,8 @@ DESCRIPTION = ("Benchmarks. Tables on stdout, progress on stderr; the last stdou
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
-    """Add `bench {latency,throughput,loop,serve,soak}` to a CLI's subparsers."""
-    bench = subparsers.add_parser("bench", help="benchmarks: latency, throughput, loop, serve, soak",
+    """Add `bench {latency,throughput,loop,serve,soak,sampler}` to a CLI's subparsers."""
+    bench = subparsers.add_parser("bench", help="benchmarks: latency, throughput, loop, serve, soak, sampler",
                                   description=DESCRIPTION)
     _add_commands(bench.add_subparsers(dest="bench_command", required=True))
     return bench

@@ -102,7 +102,7 @@ def run_engine(env: BenchEnv, reqs: list[Request], max_num_seqs: int, max_num_ba
     engine = LLMEngine(env.loaded, EngineConfig(
         max_model_len=max(lens), kv_cache_memory=pool, block_size=BLOCK_SIZE, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, speculative_config=env.args.speculative_config,
-        attention_backend=env.args.attention_backend))
+        attention_backend=env.args.attention_backend, scheduling_policy=env.args.scheduling_policy))
     # Warm up on a throwaway request (first calls pay for lazy initialisation), with its
     # own random prompt so that it leaves nothing in the prefix cache for the others.
     warmup = random_prompt(random.Random(-1), max(1, min(16, max(lens) - 2)), env.loaded.config.vocab_size)
@@ -119,7 +119,8 @@ def run_engine(env: BenchEnv, reqs: list[Request], max_num_seqs: int, max_num_ba
     t0 = time.perf_counter()
     for i, r in enumerate(reqs):
         engine.add_request(str(i), r.prompt_ids, SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True,
-                                                                structured_outputs=structured))
+                                                                structured_outputs=structured),
+                           priority=i % env.args.priority_levels)
     done = 0
     while engine.has_unfinished():
         deltas = engine.step()
@@ -141,6 +142,9 @@ def run_engine(env: BenchEnv, reqs: list[Request], max_num_seqs: int, max_num_ba
         raise NanoinferError(f"{short} requests did not produce their requested tokens (context too small?)")
     ttfts = [o.stats[0].ttft for o in outs]
     res = figures(reqs, sum(produced), seconds)
+    levels = env.args.priority_levels
+    if levels > 1:  # request i has priority i % levels: the median TTFT of each
+        res["ttft_median_s_by_priority"] = {p: median(ttfts[p::levels]) for p in range(levels)}
     res.update({
         "ttft_median_s": median(ttfts),
         "ttft_p90_s": percentile(ttfts, 90),
@@ -288,6 +292,8 @@ def run(args: argparse.Namespace) -> int:
     ni = results["nanoinfer"]
     print(f"\nnanoinfer: {ni['steps']} steps, {ni['preemptions']} preemptions, KV pool "
           f"{fmt_bytes(ni['kv_cache_bytes'])}, TTFT median {ni['ttft_median_s']:.2f}s / p90 {ni['ttft_p90_s']:.2f}s")
+    if "ttft_median_s_by_priority" in ni:
+        print("TTFT median by priority: " + ", ".join(f"{p}: {t:.2f}s" for p, t in ni["ttft_median_s_by_priority"].items()))
     out = {**run_meta(env, "throughput", with_transformers=compare == "transformers"),
            "config": {k: getattr(args, k) for k in ("num_requests", "min_input_len", "max_input_len",
                                                      "min_output_len", "max_output_len", "seed")},

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from torch import nn
 
 from ..engine import EngineConfig, LLMEngine
-from ..engine.sequence import FinishCause
+from ..engine.outputs import FinishCause
 from ..models.builder import LoadedModel
 from ..sampling import SamplingParams
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from ..sampling import SamplingParams
 from .core import LLMEngine
-from .sequence import RequestOutput, StreamDelta
+from .outputs import RequestOutput, StreamDelta
 
 
 @dataclass
@@ -35,6 +35,7 @@ class _Add:
     prompt: str | None
     sink: asyncio.Queue
     loop: asyncio.AbstractEventLoop
+    priority: int = 0
 
 
 @dataclass
@@ -138,7 +139,7 @@ class AsyncEngine:
                 return
             self.sinks[cmd.request_id] = _Stream(cmd.sink, cmd.loop)
             try:
-                self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.prompt)
+                self.engine.add_request(cmd.request_id, cmd.prompt_ids, cmd.params, cmd.prompt, cmd.priority)
             except Exception as e:
                 self._send(cmd.request_id, e)
                 self.sinks.pop(cmd.request_id, None)
@@ -182,14 +183,14 @@ class AsyncEngine:
         return f"{prefix}-{next(self._ids)}-{int(time.time() * 1000)}"
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                       prompt: str | None = None) -> AsyncIterator[StreamDelta | RequestOutput]:
+                       prompt: str | None = None, priority: int = 0) -> AsyncIterator[StreamDelta | RequestOutput]:
         """Yield this request's deltas as they come, then its final RequestOutput.
         Raises the engine's error if the request is refused. Closing early aborts it."""
         if self._stop.is_set():
             raise RuntimeError("the engine is shutting down")
         rid = request_id or self.new_request_id()
         sink: asyncio.Queue = asyncio.Queue()
-        self.commands.put(_Add(rid, prompt_ids, params, prompt, sink, asyncio.get_running_loop()))
+        self.commands.put(_Add(rid, prompt_ids, params, prompt, sink, asyncio.get_running_loop(), priority))
         finished = False
         read = 0
         try:

@@ -24,16 +24,17 @@ from ..distributed.sharding import rank_config
 from ..errors import InvalidRequestError, NanoinferError, RequestFailedError
 from ..kernels.quant_linear import has_block_weights
 from ..models.builder import LoadedModel
-from ..sampling import Logprob, RowSampler, SamplingParams
+from ..sampling import Logprob, RowSampler, Sampled, SampleRow, SamplingParams, sample_rows
 from ..spec_decode import NgramProposer, Proposer, SpeculativeConfig, StepTimes, updated_accept_rate, worth_checking
 from ..structured import ConstraintLimits, StructuredOutputs
 from ..tokenizer import IncrementalDetokenizer, StopMatcher
 from ..tools.tool_use import ToolUseState, bind_tools
 from .draft import DraftModelProposer
 from .memory import MemoryBudget, plan_kv_pool
+from .outputs import ForwardStat, RequestOutput, StreamDelta, spec_figures
 from .runner import ModelRunner
 from .scheduler import Scheduler, SchedulerConfig
-from .sequence import ForwardStat, RequestOutput, Sequence, StreamDelta, spec_figures
+from .sequence import Sequence
 
 
 @dataclass
@@ -48,6 +49,7 @@ class EngineConfig:
     enable_tools: bool = True  # run tools (the calculator) when the vocabulary has their marker tokens
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES: "auto" is kv_cache_dtype()'s rule
     attention_backend: str = "auto"  # a registered name (attention/), or the first that runs on the device and KV dtype
+    scheduling_policy: str = "fcfs"  # engine/policy.py: "fcfs" or "priority" (requests' `priority`, lower first)
     speculative_config: SpeculativeConfig | dict | None = None  # vLLM's: {"method": "ngram", ...}
     constraint_limits: ConstraintLimits | dict | None = None  # structured outputs' limits (None: the defaults)
     # >1: the model split over this many processes (distributed/): the model must have been
@@ -105,7 +107,8 @@ class LLMEngine:
         if hasattr(self.model, "set_context"):  # LongRoPE's short or long factors follow the window
             self.model.set_context(self.max_model_len)
         self.scheduler = Scheduler(SchedulerConfig(num_blocks, config.max_num_seqs, config.max_num_batched_tokens,
-                                                   config.block_size, config.enable_prefix_caching))
+                                                   config.block_size, config.enable_prefix_caching,
+                                                   config.scheduling_policy))
         self.executor = None
         if tp > 1:
             self.executor = TensorParallelExecutor(tp, str(self.device))
@@ -163,7 +166,8 @@ class LLMEngine:
             self.structured.compile(params.structured_outputs)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None) -> None:
+                    prompt: str | None = None, priority: int = 0) -> None:
+        """priority: vLLM's (lower first; only the "priority" scheduling policy reads it)."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.validate_request(prompt_ids, params)
@@ -182,6 +186,8 @@ class LLMEngine:
             ))
         # n samples share one prefill: only the first is scheduled; the others fork from it.
         seqs[0].forks = seqs[1:]
+        for seq in seqs:
+            seq.priority = priority
         self.requests[request_id] = seqs
         self.scheduler.add(seqs[0])
 
@@ -266,9 +272,12 @@ class LLMEngine:
                     self._fail(rid, error)
         # One reduction for every plain greedy row, in numpy: torch's CPU argmax over a 49k
         # vocabulary takes ~65 us a row, numpy's ~7 (both: the first maximum, a NaN first).
-        argmax = (logits.numpy().argmax(-1).tolist() if any(batch.seqs[i].sampler.takes_argmax for i in samplers)
-                  else [None] * len(samplers))
-        deltas = []
+        argmax = (logits.numpy().argmax(-1).tolist()
+                  if any(batch.seqs[i].sampler.takes_argmax_after() for i in samplers) else [None] * len(samplers))
+        # Every row samples at once (forks from their parent's row, a verification row as if the
+        # guesses before it were taken); then each sequence takes its tokens in order.
+        plan: list[tuple[Sequence, range]] = []
+        jobs: list[SampleRow] = []
         row = 0
         while row < len(samplers):
             seq = batch.seqs[samplers[row]]
@@ -276,24 +285,34 @@ class LLMEngine:
             row = rows.stop
             if seq.finished:  # its request failed earlier in this step
                 continue
+            plan.append((seq, rows))
+            if seq.params.max_tokens == 0:
+                continue
+            jobs.extend(SampleRow(fork.sampler, rows[0], [], argmax[rows[0]]) for fork in seq.forks)
+            jobs.extend(SampleRow(seq.sampler, r, seq.spec_tokens[:j], argmax[r]) for j, r in enumerate(rows))
+        sampled = iter(self._sample_rows(logits, jobs))
+        deltas = []
+        for seq, rows in plan:
             if seq.params.max_tokens == 0:  # scoring: the prompt's logprobs are all it asked for
                 for s in (seq, *seq.forks):
                     deltas.append(s.finish_scored())
                     self.scheduler.finish(s)
                 seq.forks = []
                 continue
+            mine = [next(sampled) for _ in range(len(seq.forks) + len(rows))]
             # An error here belongs to this request alone (its parameters, its text): it ends
             # with the error and the batch goes on.
             try:
-                for fork in seq.forks:  # they sample their first token from the same logits
+                for fork, result in zip(seq.forks, mine):
                     self.scheduler.fork(seq, fork)
                     fork.prompt_logprobs = seq.prompt_logprobs  # each sample's first delta carries the prompt's
-                    deltas.append(self._sample(fork, logits[rows[0]], argmax[rows[0]]))
+                    deltas.append(self._commit(fork, result))
+                mine = mine[len(seq.forks):]
                 seq.forks = []
                 if seq.spec_tokens:
-                    deltas.extend(self._verify(seq, logits, argmax, rows))
+                    deltas.extend(self._verify(seq, mine))
                 else:
-                    deltas.append(self._sample(seq, logits[rows[0]], argmax[rows[0]]))
+                    deltas.append(self._commit(seq, mine[0]))
             except Exception as e:
                 self._fail(seq.request_id, e)
         if self.proposer is not None:
@@ -351,15 +370,16 @@ class LLMEngine:
             if spec:
                 seq.spec_idle_steps = 0
 
-    def _verify(self, seq: Sequence, logits: torch.Tensor, argmax: list, rows: range) -> list[StreamDelta]:
-        """Sample position by position, as the sequence would without speculation (the rows'
-        logits are the single-token decode's, bit for bit; the sampler's state moves the same
-        way): a proposed token is accepted exactly when it equals the token sampled at its
-        position. The first mismatch (or the bonus row after all k) gives the last token."""
+    def _verify(self, seq: Sequence, results: list[Sampled]) -> list[StreamDelta]:
+        """Take the rows' tokens position by position, as the sequence would without speculation
+        (the rows' logits are the single-token decode's, bit for bit, and each row was sampled
+        as if the guesses before it were taken): a proposed token is accepted exactly when it
+        equals the token sampled at its position. The first mismatch (or the bonus row after
+        all k) gives the last token."""
         spec, start = seq.spec_tokens, seq.num_computed
         deltas, matched, rejected = [], 0, False
-        for j, row in enumerate(rows):
-            delta = self._sample(seq, logits[row], argmax[row])
+        for j, result in enumerate(results):
+            delta = self._commit(seq, result)
             deltas.append(delta)
             if seq.finished or len(delta.token_ids) > 1:  # ended, or a tool forced tokens in
                 break
@@ -424,9 +444,34 @@ class LLMEngine:
         failures, self.failures = self.failures, {}
         return failures
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor, argmax: int | None) -> StreamDelta:
-        token, logprobs = seq.sampler.sample(logits, argmax)
-        delta = seq.append(token, logprobs)
+    @staticmethod
+    def _sample_rows(logits: torch.Tensor, jobs: list[SampleRow]) -> list[Sampled]:
+        """The batched sampler; should it fail, each row again alone (the same results, since a
+        row's do not depend on its batch), so that the error stays with the row that raised it."""
+        drawing = {id(j.sampler): j.sampler for j in jobs if not j.sampler.params.greedy}
+        states = {key: sampler.generator.get_state() for key, sampler in drawing.items()}
+        try:
+            return sample_rows(logits, jobs)
+        except Exception:
+            for key, sampler in drawing.items():
+                sampler.generator.set_state(states[key])
+            results = []
+            for job in jobs:
+                try:
+                    result = sample_rows(logits, [job])[0]
+                except Exception as e:
+                    result = Sampled(error=e)
+                if id(job.sampler) in drawing and sum(j.sampler is job.sampler for j in jobs) > 1:
+                    result.generator_state = job.sampler.generator.get_state()
+                results.append(result)
+            return results
+
+    def _commit(self, seq: Sequence, result: Sampled) -> StreamDelta:
+        """The sampled token becomes the sequence's next (its sampler counts it)."""
+        if result.error is not None:
+            raise result.error
+        seq.sampler.commit(result.token, result.generator_state)
+        delta = seq.append(result.token, result.logprobs)
         if seq.finished:
             seq.stats.finished = time.perf_counter()
             self.scheduler.finish(seq)

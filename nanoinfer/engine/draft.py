@@ -129,10 +129,9 @@ class DraftModelProposer:
 
     def _reserve(self, d: DraftSequence, length: int) -> bool:
         """Blocks for `length` tokens; False (and the draft's blocks given back) if the pool has none."""
-        need = self.blocks.blocks_needed(length) - len(d.block_table)
-        if need > 0 and not self.blocks.can_allocate(need):
+        start = min(d.num_computed, length)
+        if self.blocks.allocate_slots(d.block_table, start, length - start) is None:
             self.blocks.free_table(d.block_table)
             d.num_computed = 0
             return False
-        self.blocks.ensure_slots(d.block_table, length)
         return True

@@ -124,6 +124,24 @@ class BlockManager:
         self.stats.prefix_hits += len(hits) * self.block_size
         return len(hits) * self.block_size
 
+    def allocate_slots(self, table: list[int], num_computed: int, num_tokens: int) -> list[int] | None:
+        """The scheduler's door for a step (vLLM v1's name): room in `table` for num_tokens more
+        tokens after the first num_computed, copying the block written into first if it is
+        shared. Returns the blocks newly placed in the table, or None, with nothing changed,
+        when the pool has too few free blocks."""
+        idx = num_computed // self.block_size
+        cow = idx < len(table) and self.is_shared(table[idx])
+        need = max(0, self.blocks_needed(num_computed + num_tokens) - len(table)) + cow
+        if need > self.num_free:
+            return None
+        new = []
+        if cow:
+            self.prepare_write(table, num_computed)
+            new.append(table[idx])
+        first = len(table)
+        self.ensure_slots(table, num_computed + num_tokens)
+        return new + table[first:]
+
     def ensure_slots(self, table: list[int], num_tokens: int) -> None:
         """Grow `table` to hold num_tokens tokens (the caller checked there is room)."""
         while len(table) * self.block_size < num_tokens:

@@ -5,18 +5,24 @@ prompt asks for the rest of its prompt, cut to what the budget leaves (chunked
 prefill). So a long prompt is prefilled over several steps while the others keep
 decoding, and prefix caching simply starts a prompt with some tokens already computed.
 
-Order: running sequences first (oldest first), then waiting ones (FCFS). When the KV
-pool has no block for a running sequence, the newest running sequence is preempted:
-its blocks are freed and it goes back to the front of the queue to be recomputed.
+Order: running sequences first (in admission order), then waiting ones in the policy's order
+(engine/policy.py: FCFS, or priority). When the KV pool has no block for a running sequence,
+the policy names one to preempt: its blocks are freed and it waits again, to be recomputed.
 A paused sequence (its reader has fallen behind) is skipped, wherever it is, and keeps its place.
+
+The scheduler reaches blocks through the KV manager's doors only: allocate_prompt (the
+cached prefix of a new prompt), allocate_slots (room for a step's tokens), fork, free_table,
+seal_full_blocks (name full blocks for later prefix hits) and take_pending_copies.
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
 from .batch import ScheduledBatch
 from .kv_manager import BlockManager
+from .policy import SchedulingPolicy, policy_named
 from .sequence import Sequence
 
 
@@ -27,18 +33,24 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     block_size: int = 16
     enable_prefix_caching: bool = True
+    policy: str = "fcfs"  # engine/policy.py: "fcfs" or "priority"
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, policy: SchedulingPolicy | None = None):
         self.config = config
+        self.policy = policy or policy_named(config.policy)
         self.blocks = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._arrivals = itertools.count()
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        seq.arrival = next(self._arrivals)
+        for fork in seq.forks:
+            fork.arrival, fork.priority = seq.arrival, seq.priority
+        self.policy.enqueue(self.waiting, seq)
 
     def num_seats(self) -> int:
         """Running sequences and the forks they will make: what max_num_seqs bounds."""
@@ -51,17 +63,7 @@ class Scheduler:
         """Whether a step would run anything: some sequence is not paused."""
         return any(not s.paused for s in self.running) or any(not s.paused for s in self.waiting)
 
-    def _blocks_for(self, seq: Sequence, num_tokens: int) -> int:
-        """New blocks `seq` needs to compute num_tokens more tokens, a copy-on-write included."""
-        table = seq.block_table
-        end = seq.num_computed + num_tokens
-        need = max(0, self.blocks.blocks_needed(end) - len(table))
-        idx = seq.num_computed // self.blocks.block_size
-        if idx < len(table) and self.blocks.is_shared(table[idx]):
-            need += 1
-        return need
-
-    def preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence, requeue: bool = True) -> None:
         """Recompute later: drop its KV, keep its tokens (prompt and output so far)."""
         self.blocks.free_table(seq.block_table)
         seq.num_computed = 0
@@ -69,14 +71,19 @@ class Scheduler:
         seq.spec_tokens.clear()  # guesses ride only on a decode; it comes back as a prefill
         seq.spec_states.clear()
         self.running.remove(seq)
-        self.waiting.appendleft(seq)
+        if requeue:
+            self.policy.enqueue(self.waiting, seq, returning=True)
         self.num_preemptions += 1
         seq.num_preemptions += 1
+
+    def _allocate(self, seq: Sequence, n: int) -> bool:
+        return self.blocks.allocate_slots(seq.block_table, seq.num_computed, n) is not None
 
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
         batch = ScheduledBatch()
-        # 1. running sequences, oldest first; preempt the newest when blocks run out
+        # 1. running sequences, in admission order; the policy's victim gives up its blocks when
+        # they run out (one not scheduled yet in this step: this one or one after it)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -86,19 +93,19 @@ class Scheduler:
             if seq.spec_tokens:  # a decode with proposed tokens: the guesses ride along, budget permitting
                 del seq.spec_tokens[max(0, budget - (seq.length - seq.num_computed)):]
             n = min(seq.length - seq.num_computed + len(seq.spec_tokens), budget)
-            while not self.blocks.can_allocate(self._blocks_for(seq, n)) and self.running[-1] is not seq:
-                self.preempt(self.running[-1])
-            if not self.blocks.can_allocate(self._blocks_for(seq, n)):
-                self.preempt(seq)  # nothing newer left to take blocks from
-                break
-            self._reserve(seq, n)
-            batch.seqs.append(seq)
-            batch.num_tokens.append(n)
-            budget -= n
-            i += 1
-        # 2. waiting sequences, first come first served, while budget and blocks last
+            while not self._allocate(seq, n):
+                victim = self.policy.victim(self.running[i:])
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                batch.seqs.append(seq)
+                batch.num_tokens.append(n)
+                budget -= n
+                i += 1
+        # 2. waiting sequences in the policy's order, while budget and blocks last
         paused = [s for s in self.waiting if s.paused]
-        if paused:  # aside while the others are served, then back in their places at the front
+        if paused:  # aside while the others are served, then back in their places
             self.waiting = deque(s for s in self.waiting if not s.paused)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
@@ -108,25 +115,27 @@ class Scheduler:
                 seq.num_computed = self.blocks.allocate_prompt(seq.block_table, seq.all_ids,
                                                                lookup=not seq.wants_prompt_logprobs)
             n = min(seq.length - seq.num_computed, budget)
+            placed = self._allocate(seq, n)
             # A paused sequence's blocks are the first to give up for one that can run.
-            while not self.blocks.can_allocate(self._blocks_for(seq, n)) and any(s.paused for s in self.running):
-                self.preempt(next(s for s in reversed(self.running) if s.paused))
-                paused.append(self.waiting.popleft())  # aside with the others: it waits for its reader
-            if not self.blocks.can_allocate(self._blocks_for(seq, n)):
-                if not self.running:
-                    # alone and still no room: the pool is smaller than this prompt chunk
-                    n = self._shrink_to_fit(seq, n)
-                if n == 0 or not self.blocks.can_allocate(self._blocks_for(seq, n)):
+            while not placed and any(s.paused for s in self.running):
+                victim = self.policy.victim([s for s in self.running if s.paused])
+                self.preempt(victim, requeue=False)
+                paused.append(victim)  # aside with the others: it waits for its reader
+                placed = self._allocate(seq, n)
+            if not placed:
+                # alone and still no room: the pool is smaller than this prompt chunk
+                n = 0 if self.running else self._shrink_to_fit(seq, n)
+                if n == 0:
                     self.blocks.free_table(seq.block_table)  # give back prefix hits; retry next step
                     seq.num_computed = 0
                     break
             self.waiting.popleft()
             self.running.append(seq)
-            self._reserve(seq, n)
             batch.seqs.append(seq)
             batch.num_tokens.append(n)
             budget -= n
-        self.waiting.extendleft(reversed(paused))
+        for seq in reversed(paused):
+            self.policy.enqueue(self.waiting, seq, returning=True)
         batch.block_copies = self.blocks.take_pending_copies()
         return batch
 
@@ -148,18 +157,17 @@ class Scheduler:
         child.block_table = self.blocks.fork(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
         child.num_computed = parent.num_computed
+        child.priority, child.arrival = parent.priority, parent.arrival
         child.stats.forwards = list(parent.stats.forwards)
         self.running.append(child)
 
     def _shrink_to_fit(self, seq: Sequence, n: int) -> int:
-        while n > 0 and not self.blocks.can_allocate(self._blocks_for(seq, n)):
+        """The longest chunk, a whole number of blocks shorter, that the pool has room for (placed)."""
+        while n > 0:
             n -= self.blocks.block_size
-        return max(n, 0)
-
-    def _reserve(self, seq: Sequence, n: int) -> None:
-        if seq.num_computed // self.blocks.block_size < len(seq.block_table):
-            self.blocks.prepare_write(seq.block_table, seq.num_computed)
-        self.blocks.ensure_slots(seq.block_table, seq.num_computed + n)
+            if n > 0 and self._allocate(seq, n):
+                return n
+        return 0
 
     def finish(self, seq: Sequence) -> None:
         self.blocks.free_table(seq.block_table)

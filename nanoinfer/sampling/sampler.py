@@ -1,5 +1,7 @@
-"""The per-row sampler: logit bias, penalties, temperature, min_p / top_k / top_p, a draw from
-the row's own generator, and the logprobs users see."""
+"""A row's sampling state (its parameters, its own generator, its token counts) and the
+per-row definition of sampling: logit bias, penalties, temperature, min_p / top_k / top_p, a
+draw from the row's own generator, and the logprobs users see. The engine samples a step's
+rows together through batch_sampler.py, which equals this definition bit for bit."""
 from __future__ import annotations
 
 import random
@@ -45,27 +47,36 @@ class RowSampler:
             self.bias_ids = torch.tensor(list(self.params.logit_bias), dtype=torch.long)
             self.bias_values = torch.tensor(list(self.params.logit_bias.values()), dtype=torch.float32)
 
-    @property
-    def takes_argmax(self) -> bool:
-        """Greedy with nothing that changes the logits first: the row's token is its argmax,
-        which the engine takes for all such rows in one reduction."""
+    def takes_argmax_after(self, ahead: int = 0) -> bool:
+        """Greedy with nothing that changes the logits first (once `ahead` more tokens are
+        sampled): the row's token is its argmax, which the engine takes for all such rows in
+        one reduction."""
         return self.params.greedy and not self.params.changes_logits and not (
-            self.num_generated < self.params.min_tokens and self.banned_until_min_tokens)
+            self.num_generated + ahead < self.params.min_tokens and self.banned_until_min_tokens)
+
+    def commit(self, token: int, generator_state: torch.Tensor | None = None) -> None:
+        """`token` is this row's next token: count it (penalties, min_tokens) and, when the
+        batched sampler drew ahead for guesses that were not taken, rewind the generator."""
+        self.num_generated += 1
+        if self.counts is not None:
+            self.counts[token] += 1
+        if generator_state is not None:
+            self.generator.set_state(generator_state)
 
     def sample(self, logits: torch.Tensor, argmax: int | None = None) -> tuple[int, dict[int, Logprob] | None]:
-        """logits: [vocab] fp32 for this row; argmax: its argmax if already known (only
-        used when takes_argmax). Returns the token and, if asked, its logprobs."""
+        """One row at a time: the definition the batched sampler (batch_sampler.py) equals bit
+        for bit, kept as its reference. logits: [vocab] fp32 for this row; argmax: its argmax
+        if already known (only used when takes_argmax_after()). Returns the token and, if
+        asked, its logprobs."""
         p = self.params
         raw = logits
-        if argmax is not None and self.takes_argmax:
+        if argmax is not None and self.takes_argmax_after():
             token = argmax
         elif p.greedy:
             token = int(torch.argmax(self.process(logits)))
         else:
             token = self.draw(scale(self.process(logits), p.temperature))
-        self.num_generated += 1
-        if self.counts is not None:
-            self.counts[token] += 1
+        self.commit(token)
         return token, (self.logprobs(raw, token) if p.logprobs is not None else None)
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:

@@ -121,6 +121,7 @@ class SamplingFields(Request):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, int | float] | None = None  # token id (as JSON keys are strings) -> bias in [-100, 100]
     prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs, with this many alternatives
+    priority: int = 0  # vLLM's: lower is served first under --scheduling-policy priority (ignored under fcfs)
 
 
 def _prompt(value: Any) -> Any:

@@ -17,7 +17,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from ..engine.async_engine import AsyncEngine
-from ..engine.sequence import RequestOutput, StreamDelta
+from ..engine.outputs import RequestOutput, StreamDelta
 from ..errors import InvalidRequestError, RequestFailedError
 from ..sampling import SamplingParams, StructuredOutputsParams
 from ..tokenizer import TokenizerLike
@@ -167,8 +167,8 @@ class Serving:
         return fn(*args, **kwargs)
 
     # --- the engine -------------------------------------------------------------------
-    async def run(self, prompts: list[Prompt], params: SamplingParams,
-                  request_id: str) -> AsyncIterator[tuple[int, StreamDelta | RequestOutput]]:
+    async def run(self, prompts: list[Prompt], params: SamplingParams, request_id: str,
+                  priority: int = 0) -> AsyncIterator[tuple[int, StreamDelta | RequestOutput]]:
         """All prompts' outputs as they come, tagged with the prompt's index. Closing this
         iterator (or cancelling its consumer) aborts every request still running."""
         # Bounded: a consumer that stops reading stops the pumps, so the engine sees its reader fall
@@ -179,7 +179,7 @@ class Serving:
         async def pump(i: int, prompt: Prompt) -> None:
             try:
                 async with aclosing(self.engine.generate(prompt.ids, params, f"{request_id}-{i}",
-                                                         prompt.text)) as stream:
+                                                         prompt.text, priority)) as stream:
                     async for item in stream:
                         await queue.put((i, item))
                 await queue.put((i, done))
@@ -206,13 +206,13 @@ class Serving:
                 t.cancel()  # a pump still waiting on the engine aborts its request
 
     async def collect(self, request, prompts: list[Prompt], params: SamplingParams,
-                      request_id: str) -> list[RequestOutput]:
+                      request_id: str, priority: int = 0) -> list[RequestOutput]:
         """Wait for the final outputs, or raise ClientGone as soon as the client disconnects
         (its requests are then aborted, so no more tokens are computed for it)."""
         finals: list[RequestOutput | None] = [None] * len(prompts)
 
         async def gather() -> None:
-            async with aclosing(self.run(prompts, params, request_id)) as stream:
+            async with aclosing(self.run(prompts, params, request_id, priority)) as stream:
                 async for i, item in stream:
                     if isinstance(item, RequestOutput):
                         finals[i] = item
@@ -258,7 +258,7 @@ class Serving:
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             return Reply(self.stream_completions(req, prompts, params, rid, created), headers)
-        finals = await self.collect(request, prompts, params, rid)
+        finals = await self.collect(request, prompts, params, rid, req.priority)
         choices = []
         for i, out in enumerate(finals):
             for c in out.outputs:
@@ -334,7 +334,7 @@ class Serving:
             return sse(body)
 
         try:
-            async with aclosing(self.run(prompts, params, rid)) as stream:
+            async with aclosing(self.run(prompts, params, rid, req.priority)) as stream:
                 async for i, item in stream:
                     if isinstance(item, RequestOutput):
                         finals[i] = item
@@ -412,7 +412,7 @@ class Serving:
         parse_tools = tools is not None
         if req.stream:
             return Reply(self.stream_chat(req, prompts, params, rid, created, parse_tools), headers)
-        (out,) = await self.collect(request, prompts, params, rid)
+        (out,) = await self.collect(request, prompts, params, rid, req.priority)
         choices = []
         for c in out.outputs:
             message: dict = {"role": "assistant", "content": c.text}
@@ -483,7 +483,7 @@ class Serving:
         try:
             for i in range(params.n):
                 yield chunk(i, {"role": "assistant", "content": ""})
-            async with aclosing(self.run(prompts, params, rid)) as stream:
+            async with aclosing(self.run(prompts, params, rid, req.priority)) as stream:
                 async for _, item in stream:
                     if isinstance(item, RequestOutput):
                         out = item
