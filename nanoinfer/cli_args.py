@@ -116,9 +116,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: int | str = 64,
                        help="the KV cache's dtype (default auto: bfloat16 for GGUF weights run in their blocks on the "
                             "CPU, else the model's dtype)")
         g.add_argument("--no-prefix-caching", action="store_true", help="turn off prefix caching")
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
-                   help="fcfs (default), or priority: requests with a lower `priority` value are admitted first and "
-                        "preempted last")
+    g.add_argument("--scheduling-policy", default="fcfs",
+                   help="fcfs (default), priority (requests with a lower `priority` value are admitted first and "
+                        "preempted last), or another name in engine/policy.py's POLICIES")
     g.add_argument("--structured-outputs-config", type=json_object, default=None, metavar="JSON",
                    help='limits on a request\'s structured-output constraint, e.g. \'{"mask_budget_seconds": 0.2, '
                         '"compile_seconds": 10, "max_rules": 5000, "max_schema_depth": 1000}\' '

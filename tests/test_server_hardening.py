@@ -177,8 +177,8 @@ def failing_server(model_path):
     async_engine = app.state.server.async_engine
     real = async_engine.generate
 
-    async def generate(prompt_ids, params, request_id=None, prompt=None):
-        async with aclosing(real(prompt_ids, params, request_id, prompt)) as stream:
+    async def generate(prompt_ids, params, request_id=None, prompt=None, priority=0):
+        async with aclosing(real(prompt_ids, params, request_id, prompt, priority)) as stream:
             async for item in stream:
                 yield item
                 if params.seed == FAIL_SEED:

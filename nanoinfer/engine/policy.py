@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from typing import ClassVar
 
+from ..errors import InvalidRequestError
 from .sequence import Sequence
 
 
@@ -61,5 +62,6 @@ POLICIES: dict[str, type[SchedulingPolicy]] = {p.name: p for p in (FCFSPolicy, P
 
 def policy_named(name: str) -> SchedulingPolicy:
     if name not in POLICIES:
-        raise ValueError(f"scheduling_policy must be one of {sorted(POLICIES)}, got {name!r}")
+        raise InvalidRequestError(f"scheduling_policy must be one of {', '.join(sorted(POLICIES))}, got {name!r}",
+                                  param="scheduling_policy")
     return POLICIES[name]()
