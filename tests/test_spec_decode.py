@@ -273,7 +273,7 @@ def test_constrained_rows_speculate_exactly(default_gguf, sampling):
     base = outputs(LLM(default_gguf))
     spec = LLM(default_gguf, speculative_config={**NGRAM, "disable_by_batch_size": 8})
     assert outputs(spec) == base
-    assert spec.engine.spec_accepted > 10  # guesses were taken: 15 seeded, more greedy
+    assert spec.engine.spec_accepted > 5  # guesses were taken (10 seeded, more greedy): the equality above means something
     assert all(reason == "stop" for _, reason, _ in base)
 
 
