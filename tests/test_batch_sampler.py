@@ -147,3 +147,13 @@ def test_bench_sampler_checks_its_tokens_and_reports(capsys):
     assert main(["sampler", "--rows", "6", "--vocab", "3000", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert all(mix in out for mix in ("top_p", "temperature", "top_k", "penalties", "greedy+bias"))
+
+
+def test_the_logits_are_never_changed():
+    """Bias, bans, penalties and the scaling work on copies: the logits rows (which logprobs and
+    the other rows read) stay as they were, in float32 and in float64."""
+    for dtype in (torch.float32, torch.float64):
+        logits = logits_rows(len(MIXES), 3).to(dtype)
+        before = logits.clone()
+        sample_rows(logits, [SampleRow(make_sampler(mix, i), i) for i, mix in enumerate(MIXES)])
+        assert torch.equal(torch.nan_to_num(logits), torch.nan_to_num(before))

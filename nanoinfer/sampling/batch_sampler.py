@@ -94,9 +94,7 @@ def draw_uniforms(rows: list[SampleRow], draws: list[int], out: list[Sampled]) -
 def _sample_chunk(logits: torch.Tensor, rows: list[SampleRow], idx: list[int],
                   uniforms: dict[int, torch.Tensor], out: list[Sampled]) -> None:
     chunk = [rows[i] for i in idx]
-    edits = any(r.sampler.bias_ids is not None or r.sampler.counts is not None
-                or r.sampler.num_generated + len(r.ahead) < r.sampler.params.min_tokens for r in chunk)
-    x = _process(take(logits, [r.row for r in chunk], view=not edits), chunk)
+    x = _process(logits, chunk)
     greedy = [m for m, r in enumerate(chunk) if r.sampler.params.greedy]
     if greedy:
         for m, token in zip(greedy, take(x, greedy, view=True).argmax(-1).tolist()):
@@ -114,20 +112,29 @@ def take(x: torch.Tensor, rows: list[int], view: bool = False) -> torch.Tensor:
     return x.index_select(0, torch.tensor(rows, device=x.device))
 
 
-def _process(x: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """RowSampler.process for every row: the logit bias in float32; float64 once a row has
-    penalties (the conversion is exact, so the other rows compare and scale as in float32),
-    their penalties; the min_tokens bans."""
-    for m, r in enumerate(rows):
-        s = r.sampler
-        if s.bias_ids is not None:
-            x[m].index_add_(0, s.bias_ids.to(x.device), s.bias_values.to(x.device))
+def _process(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """RowSampler.process for the rows' logits: the logit bias in float32; float64 once a row
+    has penalties (the conversion is exact, so the other rows compare and scale as in
+    float32), their penalties; the min_tokens bans. The logits are never changed: the rows
+    are copied before the first change (a view when nothing changes them)."""
+    # A float64 view would be changed in place below (.double() does not copy it): copy those.
+    x = take(logits, [r.row for r in rows], view=logits.dtype != torch.float64)
+    own = not x._is_view()
+    biased = [m for m, r in enumerate(rows) if r.sampler.bias_ids is not None]
+    if biased and not own:
+        x, own = x.clone(), True
+    for m in biased:
+        s = rows[m].sampler
+        x[m].index_add_(0, s.bias_ids.to(x.device), s.bias_values.to(x.device, x.dtype))
     penalised = [m for m, r in enumerate(rows) if r.sampler.counts is not None]
     if penalised:
-        x = on_rows(x.double(), penalised, lambda y: _penalties(y, [rows[m] for m in penalised]))
+        x, own = x.double(), True  # a copy when x was float32
+        x = on_rows(x, penalised, lambda y: _penalties(y, [rows[m] for m in penalised]))
     for m, r in enumerate(rows):
         s = r.sampler
         if s.num_generated + len(r.ahead) < s.params.min_tokens and s.banned_until_min_tokens:
+            if not own:
+                x, own = x.clone(), True
             x[m, s.banned_until_min_tokens] = float("-inf")
     return x
 
