@@ -153,7 +153,12 @@ def test_the_logits_are_never_changed():
     """Bias, bans, penalties and the scaling work on copies: the logits rows (which logprobs and
     the other rows read) stay as they were, in float32 and in float64."""
     for dtype in (torch.float32, torch.float64):
-        logits = logits_rows(len(MIXES), 3).to(dtype)
-        before = logits.clone()
-        sample_rows(logits, [SampleRow(make_sampler(mix, i), i) for i, mix in enumerate(MIXES)])
-        assert torch.equal(torch.nan_to_num(logits), torch.nan_to_num(before))
+        for inference in (False, True):  # the engine's logits are inference tensors
+            logits = logits_rows(len(MIXES), 3).to(dtype)
+            if inference:
+                with torch.inference_mode():
+                    logits = logits.clone()
+            before = logits.clone()
+            for rows in ([0], [1], [2], [9], [10], [12], list(range(len(MIXES)))):  # alone, and all
+                sample_rows(logits, [SampleRow(make_sampler(MIXES[i], i), i) for i in rows])
+            assert torch.equal(torch.nan_to_num(logits), torch.nan_to_num(before))

@@ -118,8 +118,10 @@ def _process(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     float32), their penalties; the min_tokens bans. The logits are never changed: the rows
     are copied before the first change (a view when nothing changes them)."""
     # A float64 view would be changed in place below (.double() does not copy it): copy those.
-    x = take(logits, [r.row for r in rows], view=logits.dtype != torch.float64)
-    own = not x._is_view()
+    # (Whether x is a view is tracked here: an inference tensor's views do not say they are.)
+    ids = [r.row for r in rows]
+    own = logits.dtype == torch.float64 or ids != list(range(ids[0], ids[0] + len(ids)))
+    x = take(logits, ids, view=not own)
     biased = [m for m, r in enumerate(rows) if r.sampler.bias_ids is not None]
     if biased and not own:
         x, own = x.clone(), True
