@@ -254,3 +254,31 @@ def test_kv_pool_pages_cost_nothing_until_used():
     cache = PagedKVCache.allocate(24, 8192, 16, 4, 64, torch.float32, "cpu")  # 2 x 3 GiB, untouched
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 << 10  # KiB
     assert float(cache.k[:, 100].abs().sum()) == 0.0 and cache.k.is_contiguous()
+
+
+def test_a_sampler_error_stays_with_its_row(llama_dir, monkeypatch):
+    """The batched sampler raising for one row (a stand-in for a bug): the batch is sampled again
+    row by row, that request ends with the error, and the others get the tokens they get alone."""
+    import nanoinfer.engine.core as core
+
+    llm = LLM(llama_dir)
+    good = [prompt(5 + i, 10 + i) for i in range(4)]
+    alone = [tokens(llm, p, max_tokens=8, **GREEDY) for p in good]
+    real = core.sample_rows
+
+    def faulty(logits, jobs):
+        if any(j.sampler.params.seed == 13 for j in jobs):
+            raise ArithmeticError("injected")
+        return real(logits, jobs)
+
+    monkeypatch.setattr(core, "sample_rows", faulty)
+    engine = llm.engine
+    for i, p in enumerate(good):
+        engine.add_request(f"good-{i}", p["prompt_token_ids"], SamplingParams(max_tokens=8, **GREEDY))
+    engine.add_request("bad", prompt(7, 99)["prompt_token_ids"], SamplingParams(temperature=1.0, seed=13, max_tokens=8))
+    failures: dict = {}
+    while engine.has_unfinished():
+        engine.step()
+        failures |= engine.take_failures()
+    assert list(failures) == ["bad"] and "injected" in str(failures["bad"])
+    assert [engine.release(f"good-{i}").outputs[0].token_ids for i in range(4)] == alone

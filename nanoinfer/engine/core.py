@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -446,22 +447,21 @@ class LLMEngine:
 
     @staticmethod
     def _sample_rows(logits: torch.Tensor, jobs: list[SampleRow]) -> list[Sampled]:
-        """The batched sampler; should it fail, each row again alone (the same results, since a
-        row's do not depend on its batch), so that the error stays with the row that raised it."""
-        drawing = {id(j.sampler): j.sampler for j in jobs if not j.sampler.params.greedy}
-        states = {key: sampler.generator.get_state() for key, sampler in drawing.items()}
+        """The batched sampler; should it fail (a bug, not a request's doing), each row again
+        alone, so that the error stays with the row that raised it. The generators are not
+        rewound for that: the step's draws continue from where the failed attempt left them
+        (snapshotting every generator each step, for a path that should never run, cost more)."""
         try:
             return sample_rows(logits, jobs)
         except Exception:
-            for key, sampler in drawing.items():
-                sampler.generator.set_state(states[key])
+            rows_of = Counter(id(j.sampler) for j in jobs)
             results = []
             for job in jobs:
                 try:
                     result = sample_rows(logits, [job])[0]
                 except Exception as e:
                     result = Sampled(error=e)
-                if id(job.sampler) in drawing and sum(j.sampler is job.sampler for j in jobs) > 1:
+                if rows_of[id(job.sampler)] > 1 and not job.sampler.params.greedy:
                     result.generator_state = job.sampler.generator.get_state()
                 results.append(result)
             return results

@@ -7,7 +7,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from ..protocol import ChatCompletionRequest, CompletionRequest
-from ..serving import ClientGone
+from ..serving import ClientGone, Serving
 from ..state import server_state
 from ..wire import parse_body, respond
 from .base import Route
@@ -29,22 +29,23 @@ def chat_prompt(req: dict) -> str:
     return "".join(parts)
 
 
-async def completions(request: Request) -> Response:
+async def _generate(request: Request, body_model, serve) -> Response:
+    """Read the body as body_model, run it through serve(serving, req, request), answer it
+    (JSON or an event stream); a client gone before its answer gets 499."""
     s = server_state(request)
-    req = await parse_body(request, CompletionRequest, s.config.max_request_bytes)
+    req = await parse_body(request, body_model, s.config.max_request_bytes)
     try:
-        return respond(await s.serving.completions(req, request), s.config.client_read_timeout)
+        return respond(await serve(s.serving, req, request), s.config.client_read_timeout)
     except ClientGone:
         return Response(status_code=499)
+
+
+async def completions(request: Request) -> Response:
+    return await _generate(request, CompletionRequest, Serving.completions)
 
 
 async def chat_completions(request: Request) -> Response:
-    s = server_state(request)
-    req = await parse_body(request, ChatCompletionRequest, s.config.max_request_bytes)
-    try:
-        return respond(await s.serving.chat(req, request), s.config.client_read_timeout)
-    except ClientGone:
-        return Response(status_code=499)
+    return await _generate(request, ChatCompletionRequest, Serving.chat)
 
 
 def model_card(request: Request) -> dict:
