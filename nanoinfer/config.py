@@ -26,7 +26,7 @@ class MoeSpec:
 
 @dataclass
 class ModelConfig:
-    architecture: str  # a registry name (registry.py lists them all: "llama", "qwen3", "gemma3", "nanochat", ...)
+    architecture: str  # a registered family's name ("llama", "qwen3", "gemma3", "nanochat", ...: registry.ARCHITECTURES)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -53,6 +53,8 @@ class ModelConfig:
     rope_theta_local: float | None = None  # rotary base of the sliding-window layers (Gemma 3); None: rope_theta
     rotary_dim: int | None = None  # rotary on the first rotary_dim dims of each head (Phi-4-mini); None: all
     moe: MoeSpec | None = None  # experts in place of the MLP (Qwen2-MoE, Qwen3-MoE, Mixtral)
+    # Facts without a field: the family's own (its registry entry's config_keys, by name; nanochat's
+    # era constants) and the file's fields as read ("hf_config", "gguf_fields")
     extra: dict = field(default_factory=dict)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
@@ -85,6 +87,12 @@ def check_number(value: Any, name: str, allow_zero: bool = False) -> float:
             or value < 0 or value == 0 and not allow_zero):
         raise ModelLoadError(f"{name} must be a {'non-negative' if allow_zero else 'positive'} number, "
                              f"got {value!r:.40}")
+    return float(value)
+
+
+def check_finite(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ModelLoadError(f"{name} must be a finite number, got {value!r:.40}")
     return float(value)
 
 

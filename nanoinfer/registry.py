@@ -1,17 +1,72 @@
-"""Every architecture nanoinfer serves, in one list: the names each file format gives it,
-the facts a file may leave unstated (the config adapter), and the module that runs it.
+"""The architecture registry: every family nanoinfer serves, as a record of facts (data only),
+and the lookups the loaders and the builder make through it.
 
-Data only. Loaders read it to recognise a file and finish its ModelConfig, without
-importing any model code; the model builder (models/builder.py) imports the class an
-entry names when it builds the module. Adding a family is one model file and one entry
-here (docs/architecture.md, "How to add an architecture").
+A family's record (Architecture) says everything the rest of the engine needs to know about
+it: the names each file format gives it, the facts a file may leave unstated (the config
+adapter), the config keys and tensors of its own, whether tensor parallelism's split rules and
+the compiled decoder stack apply, and the module that runs it ("module:Class", imported only
+when a model is built). The records are declared beside the model modules
+(nanoinfer/models/*_facts.py) and registered there (nanoinfer/models/__init__.py: one
+`register` per family); a family from outside the package registers the same way. This module
+is the bottom of the stack: loaders read the records to recognise a file, finish its
+ModelConfig and name its tensors, without importing any model code; sharding and the builder
+read them too, so no second list of families exists anywhere (docs/architecture.md, "How to
+add an architecture").
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from .config import ModelConfig
+from .config import ModelConfig, check_finite, check_int
 from .errors import ModelLoadError
+
+
+@dataclass(frozen=True)
+class ConfigKey:
+    """A fact of the family's own that ModelConfig has no field for. The loaders read it from
+    config.json (key `hf`) or from GGUF metadata (`{arch}.{gguf}`), check it, and put it in
+    `config.extra[name]`, where the module finds it whatever the format."""
+    name: str
+    hf: str | None = None  # config.json's key; None: `name`
+    gguf: str | None = None  # GGUF metadata key after "{arch}."; None: `name`
+    kind: type = float  # float (finite), int (0 .. 2^31-1) or bool
+    default: float | int | bool | None = None  # when a file does not state it; None: the file must
+
+    def read(self, value: Any, spelled: str) -> float | int | bool:
+        """`value` as the file gives it (None: absent), `spelled` the key as the file spells it."""
+        if value is None:
+            if self.default is None:
+                raise ModelLoadError(f"missing field {spelled!r}")
+            return self.default
+        if self.kind is bool:
+            if not isinstance(value, bool):
+                raise ModelLoadError(f"{spelled} must be true or false, got {value!r:.40}")
+            return value
+        if self.kind is int:
+            return check_int(value, spelled, lo=0)
+        return check_finite(value, spelled)
+
+
+@dataclass(frozen=True)
+class FamilyTensor:
+    """A tensor of the family's own, beyond the common layout every loader knows: the name the
+    module loads it under, the name a GGUF file gives it (llama.cpp's; None: HF folders only),
+    "{layer}" standing for the layer index in both, and its shape as ModelConfig fields (or
+    numbers). The loaders check its shape against the config before anything is read, and the
+    GGUF loader renames it."""
+    name: str  # e.g. "model.layers.{layer}.my_gain.weight"
+    shape: tuple[str | int, ...]  # e.g. ("hidden_size",)
+    gguf: str | None = None  # e.g. "blk.{layer}.my_gain.weight"
+
+    def dims(self, config: ModelConfig) -> tuple[int, ...]:
+        return tuple(d if isinstance(d, int) else getattr(config, d) for d in self.shape)
+
+    def names(self, config: ModelConfig) -> list[tuple[str, str | None]]:
+        """(module name, GGUF name) of each instance: one per layer, or the one."""
+        if "{layer}" not in self.name:
+            return [(self.name, self.gguf)]
+        return [(self.name.format(layer=i), self.gguf and self.gguf.format(layer=i)) for i in range(config.num_layers)]
 
 
 @dataclass(frozen=True)
@@ -22,6 +77,12 @@ class Architecture:
     hf_model_types: tuple[str, ...] = ()  # config.json "model_type", for configs without "architectures"
     gguf_names: tuple[str, ...] = ()  # GGUF general.architecture
     checkpoint_format: str | None = None  # a file format of its own (loaders/<format>.py)
+    # llama.cpp writes some families under another's GGUF name (Mistral and Mixtral as "llama"): the
+    # file is this family's when it has experts exactly if the family does, and one of its marks:
+    # a metadata key present (after "{arch}.") or a word in general.name / general.basename.
+    gguf_variant_of: str | None = None
+    gguf_marks: tuple[str, ...] = ()
+    gguf_name_marks: tuple[str, ...] = ()
     # The config adapter: facts of the family that a file may not state.
     attention_bias: bool = False  # q/k/v projections carry a bias
     qk_norm: bool = False  # per-head RMSNorm on q and k before rotary
@@ -39,6 +100,7 @@ class Architecture:
     swa_pattern: int | None = None
     gguf_fused: bool = False  # a GGUF holds q/k/v as one attn_qkv and gate/up as one ffn_up (llama.cpp's phi3)
     rope_theta_local: float | None = None  # the sliding layers' rotary base when a file does not say
+    experts: bool = False  # the MLP is a mixture of experts: the loaders read ModelConfig.moe
     # Mixture of experts: whether the top-k routing weights are renormalised to sum 1. A
     # family that always does (Mixtral) says True; None: config.json's norm_topk_prob decides
     # (transformers' default False). A GGUF states it only in newer files (expert_weights_norm);
@@ -48,10 +110,16 @@ class Architecture:
     # config.json fields a family's transformers config class defaults, for configs that list
     # only what differs (the text_config of Gemma 3's multimodal checkpoints)
     hf_defaults: dict = field(default_factory=dict, compare=False)
-
-    @property
-    def is_moe(self) -> bool:
-        return self.model.startswith(".moe:")
+    # The family's own facts, read by the loaders without a line of their own:
+    config_keys: tuple[ConfigKey, ...] = ()  # into config.extra
+    tensors: tuple[FamilyTensor, ...] = ()  # beyond the common layout
+    # What the engine's shared machinery may do with the family's module (allow-lists: a family
+    # that does not say so gets neither):
+    # the Megatron split rules of distributed/sharding.py hold for its layers (attention's
+    # qkv_proj / o_proj, the MLPs' gate_up_proj / down_proj, experts; everything else replicated)
+    tensor_parallel: bool = False
+    # the compiled decoder stack (models/stack.py) computes its layers: pre-norm Llama layers
+    decoder_stack: bool = False
 
     def adapt(self, config: ModelConfig) -> ModelConfig:
         config.architecture = self.name
@@ -68,42 +136,26 @@ class Architecture:
             config.rope_layers = [(i + 1) % self.no_rope_step != 0 for i in range(config.num_layers)]
         return config
 
+    def tensor_shapes(self, config: ModelConfig) -> dict[str, tuple[tuple[int, ...], str | None]]:
+        """Every instance of the family's own tensors: module name -> (shape, GGUF name)."""
+        return {name: (t.dims(config), gguf) for t in self.tensors for name, gguf in t.names(config)}
 
-ARCHITECTURES: tuple[Architecture, ...] = (
-    Architecture("llama", ".llama:LlamaForCausalLM", ("LlamaForCausalLM",), ("llama",), ("llama",),
-                 gguf_llama_rope=True),
-    # llama.cpp converts Mistral to its "llama" architecture; the GGUF loader tells them apart by name.
-    Architecture("mistral", ".llama:LlamaForCausalLM", ("MistralForCausalLM",), ("mistral",), sliding_window=True,
-                 gguf_llama_rope=True),
-    Architecture("qwen2", ".llama:LlamaForCausalLM", ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",),
-                 attention_bias=True),
-    Architecture("qwen3", ".llama:LlamaForCausalLM", ("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",), qk_norm=True),
-    Architecture("smollm3", ".llama:LlamaForCausalLM", ("SmolLM3ForCausalLM",), ("smollm3",), ("smollm3",),
-                 no_rope_step=4, gguf_llama_rope=True),
-    # Phi-3 checkpoints hold q/k/v and gate/up fused, as llama.py's module does (llama.cpp: attn_qkv, ffn_up).
-    Architecture("phi3", ".llama:LlamaForCausalLM", ("Phi3ForCausalLM",), ("phi3",), ("phi3",), sliding_window=True,
-                 gguf_fused=True),
-    Architecture("olmo2", ".olmo2:Olmo2ForCausalLM", ("Olmo2ForCausalLM",), ("olmo2",), ("olmo2",), qk_norm=True,
-                 qk_norm_over_heads=True, norm_layout="post"),
-    Architecture("gemma2", ".gemma:GemmaForCausalLM", ("Gemma2ForCausalLM",), ("gemma2",), ("gemma2",),
-                 norm_layout="sandwich", swa_pattern=2),
-    # (Gemma3ForConditionalGeneration: the text part of the multimodal checkpoints; loaders/hf.py unwraps it)
-    Architecture("gemma3", ".gemma:GemmaForCausalLM", ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
-                 ("gemma3_text",), ("gemma3",), qk_norm=True, norm_layout="sandwich", swa_pattern=6,
-                 rope_theta_local=10000.0,
-                 hf_defaults={"vocab_size": 262208, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
-                              "query_pre_attn_scalar": 256, "sliding_window": 4096, "rope_theta": 1000000.0,
-                              "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "tie_word_embeddings": True}),
-    # Mixtures of experts: llama.py's attention, models/moe.py's routed experts.
-    Architecture("qwen2moe", ".moe:MoeForCausalLM", ("Qwen2MoeForCausalLM",), ("qwen2_moe",), ("qwen2moe",),
-                 attention_bias=True),
-    Architecture("qwen3moe", ".moe:MoeForCausalLM", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), ("qwen3moe",),
-                 qk_norm=True, gguf_moe_norm_topk=True),
-    # llama.cpp converts Mixtral to its "llama" architecture with expert tensors; the GGUF loader tells them apart.
-    Architecture("mixtral", ".moe:MoeForCausalLM", ("MixtralForCausalLM",), ("mixtral",), sliding_window=True,
-                 gguf_llama_rope=True, moe_norm_topk=True, gguf_moe_norm_topk=True),
-    Architecture("nanochat", ".nanochat:NanochatGPT", checkpoint_format="nanochat"),
-)
+
+# Every registered family, in registration order (nanoinfer/models/__init__.py registers the
+# built-in ones when nanoinfer.models is imported, which `import nanoinfer` does).
+ARCHITECTURES: tuple[Architecture, ...] = ()
+
+
+def register(arch: Architecture) -> Architecture:
+    """Add a family. Its name and the names its formats give it must be new."""
+    global ARCHITECTURES
+    for other in ARCHITECTURES:
+        clash = ({arch.name} & {other.name} or set(arch.hf_classes) & set(other.hf_classes)
+                 or set(arch.hf_model_types) & set(other.hf_model_types) or set(arch.gguf_names) & set(other.gguf_names))
+        if clash:
+            raise ValueError(f"architecture {arch.name!r}: {sorted(clash)} already registered by {other.name!r}")
+    ARCHITECTURES = (*ARCHITECTURES, arch)
+    return arch
 
 
 def by_name(name: str) -> Architecture:

@@ -181,6 +181,9 @@ def write_gguf_from_hf(
     tokenizer_pre: str | None = None,
     vocab_only: bool = False,
     raw_tensors: dict[str, tuple[np.ndarray, int]] | None = None,
+    arch: str | None = None,
+    extra_fields: dict[str, float] | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
 ) -> Path:
     """Write `model` (a transformers *ForCausalLM) to `path` as GGUF; returns the path.
 
@@ -190,11 +193,14 @@ def write_gguf_from_hf(
     vocab_only: metadata without tensors, like llama.cpp's --vocab-only.
     raw_tensors: GGUF tensor name -> (uint8 blocks [rows, row_bytes], GGML type) written as
     given in place of the model's tensor (types gguf-py cannot quantise, such as K-quants).
+    arch, extra_fields, extra_tensors: a family of its own (tests/test_toy_family.py): the GGUF
+    architecture name (default: the model type's), float32 "{arch}.KEY" fields and F32 tensors
+    written besides the model's.
     """
     cfg = model.config
-    if cfg.model_type not in _ARCHS:
+    if arch is None and cfg.model_type not in _ARCHS:
         raise ValueError(f"cannot export model type {cfg.model_type!r}")
-    arch = _ARCHS[cfg.model_type]
+    arch = arch or _ARCHS[cfg.model_type]
     qtype = gguf.GGMLQuantizationType[tensor_type]
     n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
@@ -282,6 +288,10 @@ def write_gguf_from_hf(
         else:
             data, dtype = _encode(w, qtype)
         writer.add_tensor(gguf_name, data, raw_dtype=dtype if data.dtype == np.uint8 else None)
+    for key, value in (extra_fields or {}).items():
+        writer.add_float32(f"{arch}.{key}", value)
+    for gguf_name, w in ({} if vocab_only else extra_tensors or {}).items():
+        writer.add_tensor(gguf_name, np.asarray(w, dtype=np.float32))
 
     if tokenizer is not None:
         _add_tokenizer(writer, tokenizer, cfg.vocab_size, tokenizer_pre)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import tomllib
+from pathlib import Path
 
 import pytest
 from torch import nn
 
+import nanoinfer.models
 from nanoinfer import LLM, SamplingParams, registry
 from nanoinfer.errors import ModelLoadError
 from nanoinfer.models.builder import load_model, model_class
@@ -70,3 +73,25 @@ def test_a_new_family_is_one_module_and_one_entry(make_hf_model, monkeypatch, tm
     ours = llm.generate([5, 6, 7], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].outputs[0]
     plain = LLM(src).generate([5, 6, 7], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].outputs[0]
     assert ours.token_ids == plain.token_ids
+
+
+def test_every_model_module_is_kept_off_the_loaders():
+    """pyproject's forbidden contract (a model module imports no loader, tokenizer, sampling or
+    builder) names every module of nanoinfer.models but the builder, which joins loaders and
+    modules by design (and the package's __init__, which registers the built-in facts)."""
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    contract = next(c for c in pyproject["tool"]["importlinter"]["contracts"] if c["type"] == "forbidden"
+                    and "nanoinfer.loaders" in c["forbidden_modules"])
+    modules = {f"nanoinfer.models.{p.stem}" for p in Path(nanoinfer.models.__file__).parent.glob("*.py")}
+    assert set(contract["source_modules"]) == modules - {"nanoinfer.models.builder", "nanoinfer.models.__init__"}
+
+
+def test_facts_reach_every_consumer_through_the_entry():
+    """Tensor parallelism and the compiled stack are allow-lists in the families' entries."""
+    split = {a.name for a in registry.ARCHITECTURES if a.tensor_parallel}
+    assert split == {"llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "olmo2", "gemma2", "gemma3",
+                     "qwen2moe", "qwen3moe", "mixtral"}
+    assert {a.name for a in registry.ARCHITECTURES if a.decoder_stack} == {
+        "llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3"}  # the families llama.py runs as it is
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register(registry.Architecture("copy", ".llama:LlamaForCausalLM", gguf_names=("qwen3",)))

@@ -22,17 +22,17 @@ def test_a_paused_sequence_is_skipped_keeps_its_place_and_gives_up_its_blocks():
     s = Scheduler(SchedulerConfig(num_blocks=4, max_num_seqs=8, max_num_batched_tokens=64, block_size=4))
     a = seq("a", 8)
     s.add(a)
-    assert run(s) == ["a"] and len(a.block_table) == 2
-    a.paused = True  # its reader fell behind
-    assert run(s) == [] and a.block_table  # not scheduled, blocks kept
+    assert run(s) == ["a"] and len(a.kv.block_table) == 2
+    a.sched.paused = True  # its reader fell behind
+    assert run(s) == [] and a.kv.block_table  # not scheduled, blocks kept
     b = seq("b", 12, first_token=100)  # needs 3 blocks: only 2 are free
     s.add(b)
     assert run(s) == ["b"]  # the paused sequence gave its blocks up (preempted, recomputed later)
-    assert a in s.waiting and a.num_computed == 0 and not a.block_table
+    assert a in s.waiting and a.kv.num_computed == 0 and not a.kv.block_table
     assert run(s) == ["b"]  # still paused: waiting, skipped
     s.finish(b)
-    a.paused = False
-    assert run(s) == ["a"] and a.num_computed == 8
+    a.sched.paused = False
+    assert run(s) == ["a"] and a.kv.num_computed == 8
 
 
 def make(num_blocks: int, policy: str = "fcfs", max_tokens: int = 64) -> Scheduler:
@@ -45,7 +45,7 @@ def decode(s: Scheduler, token: int = 7) -> list[str]:
     batch = s.schedule()
     s.update_after_forward(batch)
     for q in batch.seqs:
-        if q.num_computed == q.length:
+        if q.kv.num_computed == q.length:
             q.output_ids.append(token)
     return [q.request_id for q in batch.seqs]
 
@@ -55,8 +55,8 @@ def test_admission_is_first_come_first_served_within_budget_and_seats():
     for i, n in enumerate([8, 8, 8]):
         s.add(seq(f"r{i}", n, first_token=100 * i))
     assert decode(s) == ["r0", "r1", "r2"]  # 8 + 8 + 4 (a chunk of r2's prompt)
-    assert [q.num_computed for q in s.running] == [8, 8, 4]
-    assert decode(s) == ["r0", "r1", "r2"] and s.running[2].num_computed == 8
+    assert [q.kv.num_computed for q in s.running] == [8, 8, 4]
+    assert decode(s) == ["r0", "r1", "r2"] and s.running[2].kv.num_computed == 8
 
 
 def test_preemption_order_follows_the_policy():
@@ -67,18 +67,18 @@ def test_preemption_order_follows_the_policy():
         s = make(7, policy)
         seqs = [seq(n, 8, 100 * i) for i, n in enumerate("abc")]
         for q, p in zip(seqs, priorities):
-            q.priority = p
+            q.sched.priority = p
             s.add(q)
         assert sorted(decode(s)) == ["a", "b", "c"]  # 6 of 7 blocks
         decode(s)  # each needs a 3rd block: one is free, so one of them is preempted
         assert s.num_preemptions == 1, policy
-        (gone,) = [q for q in seqs if q.num_computed == 0]
-        assert gone.request_id == victim and gone in s.waiting and not gone.block_table, (policy, priorities)
+        (gone,) = [q for q in seqs if q.kv.num_computed == 0]
+        assert gone.request_id == victim and gone in s.waiting and not gone.kv.block_table, (policy, priorities)
         assert gone.output_ids == [7]  # its tokens are kept: it is recomputed, prompt and output
         late = seq("d", 4, 900)
-        late.priority = priorities[0]
+        late.sched.priority = priorities[0]
         s.add(late)  # FCFS: the victim waits first; priority: by (priority, arrival)
-        expected = ["d", gone.request_id] if policy == "priority" and gone.priority > late.priority \
+        expected = ["d", gone.request_id] if policy == "priority" and gone.sched.priority > late.sched.priority \
             else [gone.request_id, "d"]
         assert [q.request_id for q in s.waiting] == expected, policy
 
@@ -87,7 +87,7 @@ def test_priority_admits_lower_values_first_and_arrival_among_equals():
     s = make(64, "priority", max_tokens=8)
     for name, p in [("late-low", 3), ("high", -1), ("mid-1", 1), ("mid-2", 1)]:
         q = seq(name, 8, 10 * len(s.waiting))
-        q.priority = p
+        q.sched.priority = p
         s.add(q)
     assert [q.request_id for q in s.waiting] == ["high", "mid-1", "mid-2", "late-low"]
     assert decode(s) == ["high"]  # the budget of 8 holds one prompt a step
@@ -108,7 +108,7 @@ def test_prefix_hits_are_taken_and_given_back_when_the_prompt_cannot_start():
     b = seq("b", 14)  # same first 12 tokens, then 2 more
     s.add(b)
     assert decode(s) == ["b"]
-    assert s.blocks.stats.prefix_hits == 12 and b.num_computed == 14
+    assert s.blocks.stats.prefix_hits == 12 and b.kv.num_computed == 14
     # now a prompt whose cached prefix is found but whose rest cannot be placed: the hits are given back
     s2 = make(4)
     filler, x = seq("f", 3, 500), seq("x", 8)
@@ -119,11 +119,11 @@ def test_prefix_hits_are_taken_and_given_back_when_the_prompt_cannot_start():
     y = seq("y", 24)  # x's 8 tokens then 16 more: 2 hits, and 4 blocks for the rest with 1 free
     s2.add(y)
     assert decode(s2) == ["f"]
-    assert not y.block_table and y.num_computed == 0 and y in s2.waiting  # hits given back, retried later
+    assert not y.kv.block_table and y.kv.num_computed == 0 and y in s2.waiting  # hits given back, retried later
     assert s2.blocks.num_used == 1 and s2.blocks.stats.prefix_hits == 8
     s2.finish(filler)
     assert decode(s2) == ["y"]  # alone: its hits again, and as much of the rest as the pool holds
-    assert s2.blocks.stats.prefix_hits == 16 and y.num_computed == 16 and len(y.block_table) == 4
+    assert s2.blocks.stats.prefix_hits == 16 and y.kv.num_computed == 16 and len(y.kv.block_table) == 4
 
 
 def test_forks_share_blocks_and_copy_the_partial_block_on_write():
@@ -136,11 +136,11 @@ def test_forks_share_blocks_and_copy_the_partial_block_on_write():
     decode(s)
     s.fork(parent, child)
     parent.forks = []
-    assert child.block_table == parent.block_table and s.blocks.is_shared(parent.block_table[1])
+    assert child.kv.block_table == parent.kv.block_table and s.blocks.is_shared(parent.kv.block_table[1])
     batch = s.schedule()  # both write token 7 into the shared half-full block: each gets its own copy
     assert len(batch.block_copies) == 1  # the first writer copies; the last one left owns the original
-    assert parent.block_table[0] == child.block_table[0] and parent.block_table[1] != child.block_table[1]
-    assert s.blocks.is_shared(parent.block_table[0])
+    assert parent.kv.block_table[0] == child.kv.block_table[0] and parent.kv.block_table[1] != child.kv.block_table[1]
+    assert s.blocks.is_shared(parent.kv.block_table[0])
 
 
 def test_speculative_tokens_are_trimmed_to_the_budget_and_dropped_on_preemption():
@@ -148,14 +148,14 @@ def test_speculative_tokens_are_trimmed_to_the_budget_and_dropped_on_preemption(
     a = seq("a", 4)
     s.add(a)
     decode(s)
-    a.spec_tokens = [5, 6, 7, 8, 9]  # 1 + 5 tokens asked, a budget of 4
+    a.spec.tokens = [5, 6, 7, 8, 9]  # 1 + 5 tokens asked, a budget of 4
     batch = s.schedule()
-    assert batch.num_tokens == [4] and a.spec_tokens == [5, 6, 7]
+    assert batch.num_tokens == [4] and a.spec.tokens == [5, 6, 7]
     s.update_after_forward(batch)
-    assert a.num_computed == 5  # the guesses count once accepted, not before
-    a.spec_tokens = [1, 2]
+    assert a.kv.num_computed == 5  # the guesses count once accepted, not before
+    a.spec.tokens = [1, 2]
     s.preempt(a)
-    assert a.spec_tokens == [] and a.num_computed == 0 and a in s.waiting
+    assert a.spec.tokens == [] and a.kv.num_computed == 0 and a in s.waiting
 
 
 def test_allocate_slots_is_all_or_nothing():

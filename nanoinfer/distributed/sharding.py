@@ -9,6 +9,8 @@
 - Vocabulary: each rank holds vocab/N rows of the embedding (a lookup outside them gives
   zeros; an all-reduce joins them) and of the LM head, whose logits are all-gathered.
 - OLMo 2's q/k norm over all heads: its sum of squares is all-reduced.
+- Everything else (norms, a family's own vectors) is kept whole on every rank. A family whose
+  layers follow these rules says so in its registry entry (tensor_parallel); no list here.
 
 Weights in GGUF blocks split on row boundaries exactly (rows are whole blocks); a column
 split lands on block boundaries when in_features/N is a multiple of the block size, and
@@ -23,6 +25,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from .. import registry
 from ..config import ModelConfig
 from ..errors import ModelLoadError
 from ..kernels.cpu_linear import PackedLinear, adapt_linears
@@ -32,15 +35,13 @@ from ..loaders.gguf import dequantize
 from ..tensors import QuantizedTensor
 from . import parallel
 
-TP_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "olmo2", "gemma2", "gemma3",
-                    "qwen2moe", "qwen3moe", "mixtral")
-
 
 def check_divisible(config: ModelConfig, world: int) -> None:
-    """A one-line error when the model cannot be split `world` ways."""
-    if config.architecture not in TP_ARCHITECTURES:
-        raise ModelLoadError(f"tensor parallelism is not implemented for {config.architecture} "
-                             f"(it is for {', '.join(TP_ARCHITECTURES)})")
+    """A one-line error when the model cannot be split `world` ways. Which families these split
+    rules hold for is a fact of each family's (its registry entry's tensor_parallel)."""
+    if not registry.by_name(config.architecture).tensor_parallel:
+        raise ModelLoadError(f"tensor parallelism is not implemented for {config.architecture} (it is for "
+                             f"{', '.join(a.name for a in registry.ARCHITECTURES if a.tensor_parallel)})")
     for what, n in (("query heads", config.num_heads), ("key/value heads", config.num_kv_heads),
                     ("vocabulary", config.vocab_size), ("MLP width", config.intermediate_size)):
         if n % world:

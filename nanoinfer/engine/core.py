@@ -188,7 +188,7 @@ class LLMEngine:
         # n samples share one prefill: only the first is scheduled; the others fork from it.
         seqs[0].forks = seqs[1:]
         for seq in seqs:
-            seq.priority = priority
+            seq.sched.priority = priority
         self.requests[request_id] = seqs
         self.scheduler.add(seqs[0])
 
@@ -204,7 +204,7 @@ class LLMEngine:
         """Stop (or resume) scheduling a request's samples; they keep their KV blocks. For a
         reader that has fallen behind: its output waits instead of piling up."""
         for seq in self.requests.get(request_id, []):
-            seq.paused = paused
+            seq.sched.paused = paused
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -247,16 +247,16 @@ class LLMEngine:
             self._score_prompts(batch, step_rows.prompt, logits[len(samplers):])
             logits = logits[:len(samplers)]
         seconds = time.perf_counter() - t0
-        if self.proposer is not None and all(n == 1 + len(seq.spec_tokens) for seq, n in zip(batch.seqs, batch.num_tokens)):
+        if self.proposer is not None and all(n == 1 + len(seq.spec.tokens) for seq, n in zip(batch.seqs, batch.num_tokens)):
             self.step_times.observe(batch.total_tokens, seconds)  # decode rows only
         self.last_step_tokens = batch.total_tokens
         self.total_steps += 1
         self.total_step_tokens += batch.total_tokens
-        self.prefill_tokens += sum(min(n, max(0, len(seq.prompt_ids) - seq.num_computed))
+        self.prefill_tokens += sum(min(n, max(0, len(seq.prompt_ids) - seq.kv.num_computed))
                                    for seq, n in zip(batch.seqs, batch.num_tokens))
         self.scheduler.update_after_forward(batch)
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            seq.stats.forwards.append(ForwardStat(seq.num_computed, n, seconds))
+            seq.stats.forwards.append(ForwardStat(seq.kv.num_computed, n, seconds))
         # Constrained rows: what their grammars disallow is -inf before anything samples (forks
         # sample their first token from their parent's row, in the same grammar state).
         # A row checking a proposed token takes the grammar's state after the guesses before it.
@@ -265,7 +265,7 @@ class LLMEngine:
             j = j + 1 if row and samplers[row - 1] == i else 0  # which of the sequence's rows (0: its own)
             seq = batch.seqs[i]
             if seq.grammar is not None:
-                constrained.append((row, seq.spec_states[j - 1] if j else seq.grammar, seq.tokens_left - j))
+                constrained.append((row, seq.spec.states[j - 1] if j else seq.grammar, seq.tokens_left - j))
         if constrained:
             for row, error in self.structured.apply_masks(logits, constrained).items():
                 rid = batch.seqs[samplers[row]].request_id
@@ -282,7 +282,7 @@ class LLMEngine:
         row = 0
         while row < len(samplers):
             seq = batch.seqs[samplers[row]]
-            rows = range(row, row + 1 + len(seq.spec_tokens))  # its row, then one per proposed token
+            rows = range(row, row + 1 + len(seq.spec.tokens))  # its row, then one per proposed token
             row = rows.stop
             if seq.finished:  # its request failed earlier in this step
                 continue
@@ -290,7 +290,7 @@ class LLMEngine:
             if seq.params.max_tokens == 0:
                 continue
             jobs.extend(SampleRow(fork.sampler, rows[0], [], argmax[rows[0]]) for fork in seq.forks)
-            jobs.extend(SampleRow(seq.sampler, r, seq.spec_tokens[:j], argmax[r]) for j, r in enumerate(rows))
+            jobs.extend(SampleRow(seq.sampler, r, seq.spec.tokens[:j], argmax[r]) for j, r in enumerate(rows))
         sampled = iter(self._sample_rows(logits, jobs))
         deltas = []
         for seq, rows in plan:
@@ -310,7 +310,7 @@ class LLMEngine:
                     deltas.append(self._commit(fork, result))
                 mine = mine[len(seq.forks):]
                 seq.forks = []
-                if seq.spec_tokens:
+                if seq.spec.tokens:
                     deltas.extend(self._verify(seq, mine))
                 else:
                     deltas.append(self._commit(seq, mine[0]))
@@ -321,7 +321,7 @@ class LLMEngine:
                 self.proposer.retain(set())  # nothing runs: a draft model gives its blocks back
             else:  # prompts that finished prefilling: a draft model reads them now (time to first token)
                 first = [((s.request_id, s.index), s.all_ids) for s in batch.seqs
-                         if not s.finished and len(s.output_ids) == 1 and s.num_computed == s.length - 1]
+                         if not s.finished and len(s.output_ids) == 1 and s.kv.num_computed == s.length - 1]
                 if first:
                     self.proposer.prefill(first)
         return [d for d in deltas if d.request_id not in self.failures] if self.failures else deltas
@@ -337,7 +337,7 @@ class LLMEngine:
         with the grammar's state after the guesses before it."""
         running = self.scheduler.running
         self.proposer.retain({(s.request_id, s.index) for s in running})
-        decoding = [s for s in running if s.num_computed == s.length - 1]
+        decoding = [s for s in running if s.kv.num_computed == s.length - 1]
         if len(decoding) >= self.spec.disable_by_batch_size:
             return
         k_max = self.spec.num_speculative_tokens
@@ -350,12 +350,12 @@ class LLMEngine:
         for seq in decoding:
             if seq.forks or seq.finished:
                 continue
-            k = k_max if costs is None else worth_checking(seq.spec_accept_rate, costs)
+            k = k_max if costs is None else worth_checking(seq.spec.accept_rate, costs)
             if 0 < k < k_max and self.total_steps % self.spec.retry_after == 0:
                 k = k_max  # now and then the longest check, so that its time stays measured, not one noisy figure
             if k == 0:
-                seq.spec_idle_steps += 1
-                if seq.spec_idle_steps < self.spec.retry_after:
+                seq.spec.idle_steps += 1
+                if seq.spec.idle_steps < self.spec.retry_after:
                     continue  # its guesses have been missing: checking them costs more than they save
                 k = 1
             if seq.grammar is not None and not seq.grammar.budget_rule_idle(seq.tokens_left - k - 1):
@@ -364,12 +364,12 @@ class LLMEngine:
         guesses = self.proposer.propose_many([((s.request_id, s.index), s.all_ids, k) for s, k in asking])
         for (seq, _), spec in zip(asking, guesses):
             if seq.grammar is not None:  # guesses the grammar forbids could never be accepted
-                seq.spec_states = seq.grammar.states_after(spec)
-                spec = spec[:len(seq.spec_states)]
-            seq.spec_tokens = spec
+                seq.spec.states = seq.grammar.states_after(spec)
+                spec = spec[:len(seq.spec.states)]
+            seq.spec.tokens = spec
             self.spec_proposed += len(spec)
             if spec:
-                seq.spec_idle_steps = 0
+                seq.spec.idle_steps = 0
 
     def _verify(self, seq: Sequence, results: list[Sampled]) -> list[StreamDelta]:
         """Take the rows' tokens position by position, as the sequence would without speculation
@@ -377,7 +377,7 @@ class LLMEngine:
         as if the guesses before it were taken): a proposed token is accepted exactly when it
         equals the token sampled at its position. The first mismatch (or the bonus row after
         all k) gives the last token."""
-        spec, start = seq.spec_tokens, seq.num_computed
+        spec, start = seq.spec.tokens, seq.kv.num_computed
         deltas, matched, rejected = [], 0, False
         for j, result in enumerate(results):
             delta = self._commit(seq, result)
@@ -390,15 +390,15 @@ class LLMEngine:
                 rejected = True
                 break
             matched += 1
-        seq.spec_accept_rate = updated_accept_rate(seq.spec_accept_rate, matched, matched + rejected)
-        seq.spec_tokens, seq.spec_states = [], []
+        seq.spec.accept_rate = updated_accept_rate(seq.spec.accept_rate, matched, matched + rejected)
+        seq.spec.tokens, seq.spec.states = [], []
         self.spec_accepted += matched
         self.spec_checks += 1
         st = seq.stats
         st.spec_proposed, st.spec_accepted, st.spec_checks = st.spec_proposed + len(spec), st.spec_accepted + matched, \
             st.spec_checks + 1
         if not seq.finished:  # the accepted tokens' KV is in the cache; the last token's is not yet
-            self.scheduler.advance(seq, min(start + matched, seq.length - 1) - seq.num_computed)
+            self.scheduler.advance(seq, min(start + matched, seq.length - 1) - seq.kv.num_computed)
         return deltas
 
     @staticmethod

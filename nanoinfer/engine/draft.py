@@ -23,6 +23,7 @@ from ..spec_decode import SeqKey, SpeculativeConfig
 from .batch import ScheduledBatch
 from .kv_manager import BlockManager
 from .runner import ModelRunner
+from .sequence import KVPlacement, Speculation
 
 
 @dataclass
@@ -30,9 +31,8 @@ class DraftSequence:
     """What the runner reads of a sequence, for the draft model's copy of a target sequence."""
 
     tokens: list[int]
-    block_table: list[int] = field(default_factory=list)
-    num_computed: int = 0  # leading tokens whose draft KV is valid
-    spec_tokens: list[int] = field(default_factory=list)  # always empty: the draft does not speculate
+    kv: KVPlacement = field(default_factory=KVPlacement)  # in the draft's pool; num_computed: its valid draft KV
+    spec: Speculation = field(default_factory=Speculation)  # always empty: the draft does not speculate
     wants_prompt_logprobs = False  # nor score prompts
 
     @property
@@ -80,19 +80,19 @@ class DraftModelProposer:
     def retain(self, keys: set[SeqKey]) -> None:
         """Forget the draft sequences of target sequences that are no longer running."""
         for key in [k for k in self.seqs if k not in keys]:
-            self.blocks.free_table(self.seqs.pop(key).block_table)
+            self.blocks.free_table(self.seqs.pop(key).kv.block_table)
 
     def prefill(self, requests: list[tuple[SeqKey, list[int]]]) -> None:
         """Compute the draft's KV of these sequences' tokens now (in the step that prefilled the
         target, so that the draft's prompt counts in the time to the first token)."""
         live = [d for key, tokens in requests
                 if len(tokens) <= self.max_len and self._reserve(d := self._sync(key, tokens), len(tokens))]
-        live = [d for d in live if d.num_computed < d.length - 1]  # the last token waits: its logits guess
+        live = [d for d in live if d.kv.num_computed < d.length - 1]  # the last token waits: its logits guess
         if live:
             with torch.inference_mode():
-                self.runner.run(ScheduledBatch(live, [d.length - 1 - d.num_computed for d in live]))
+                self.runner.run(ScheduledBatch(live, [d.length - 1 - d.kv.num_computed for d in live]))
             for d in live:
-                d.num_computed = d.length - 1
+                d.kv.num_computed = d.length - 1
 
     def propose_many(self, requests: list[tuple[SeqKey, list[int], int]]) -> list[list[int]]:
         """For each (key, the target's tokens, k): up to k greedy guesses of the draft model
@@ -105,12 +105,12 @@ class DraftModelProposer:
         out: list[list[int]] = [[] for _ in requests]
         for j in range(max((k for _, _, k in live), default=0)):
             step = [(i, d) for i, d, k in live if j < k]
-            batch = ScheduledBatch([d for _, d in step], [d.length - d.num_computed for _, d in step])
+            batch = ScheduledBatch([d for _, d in step], [d.length - d.kv.num_computed for _, d in step])
             with torch.inference_mode():
                 logits, _ = self.runner.run(batch)
             best = logits.float().cpu().numpy().argmax(-1)
             for (i, d), t in zip(step, best.tolist()):
-                d.num_computed = d.length
+                d.kv.num_computed = d.length
                 d.tokens.append(t)
                 out[i].append(t)
         return out
@@ -120,18 +120,18 @@ class DraftModelProposer:
         if d is None:
             d = self.seqs[key] = DraftSequence(list(tokens))
             return d
-        n = min(d.num_computed, len(tokens))
+        n = min(d.kv.num_computed, len(tokens))
         a, b = np.asarray(d.tokens[:n]), np.asarray(tokens[:n])
         diff = np.flatnonzero(a != b)
-        d.num_computed = min(int(diff[0]) if diff.size else n, len(tokens) - 1)  # the last one gives logits
+        d.kv.num_computed = min(int(diff[0]) if diff.size else n, len(tokens) - 1)  # the last one gives logits
         d.tokens = list(tokens)
         return d
 
     def _reserve(self, d: DraftSequence, length: int) -> bool:
         """Blocks for `length` tokens; False (and the draft's blocks given back) if the pool has none."""
-        start = min(d.num_computed, length)
-        if self.blocks.allocate_slots(d.block_table, start, length - start) is None:
-            self.blocks.free_table(d.block_table)
-            d.num_computed = 0
+        start = min(d.kv.num_computed, length)
+        if self.blocks.allocate_slots(d.kv.block_table, start, length - start) is None:
+            self.blocks.free_table(d.kv.block_table)
+            d.kv.num_computed = 0
             return False
         return True

@@ -49,12 +49,12 @@ class PriorityPolicy(SchedulingPolicy):
     name = "priority"
 
     def enqueue(self, waiting: deque[Sequence], seq: Sequence, returning: bool = False) -> None:
-        key = (seq.priority, seq.arrival)
-        i = next((i for i, s in enumerate(waiting) if (s.priority, s.arrival) > key), len(waiting))
+        key = (seq.sched.priority, seq.sched.arrival)
+        i = next((i for i, s in enumerate(waiting) if (s.sched.priority, s.sched.arrival) > key), len(waiting))
         waiting.insert(i, seq)
 
     def victim(self, candidates: list[Sequence]) -> Sequence:
-        return max(reversed(candidates), key=lambda s: (s.priority, s.arrival))
+        return max(reversed(candidates), key=lambda s: (s.sched.priority, s.sched.arrival))
 
 
 POLICIES: dict[str, type[SchedulingPolicy]] = {p.name: p for p in (FCFSPolicy, PriorityPolicy)}

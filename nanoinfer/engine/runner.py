@@ -54,14 +54,14 @@ class ModelRunner:
         prompt_rows: list[int] = []
         prev: list[int] = []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
-            start = seq.num_computed
+            start = seq.kv.num_computed
             q_start = len(ids)
-            spec = len(seq.spec_tokens)  # proposed tokens follow the sequence's own: every one gets logits
-            ids.extend(seq.token_slice(start, start + n - spec) + seq.spec_tokens)
+            spec = len(seq.spec.tokens)  # proposed tokens follow the sequence's own: every one gets logits
+            ids.extend(seq.token_slice(start, start + n - spec) + seq.spec.tokens)
             if self.needs_prev_ids:
                 prev.extend((seq.token_slice(start - 1, start) if start else [-1]) + ids[q_start:-1])
             positions.extend(range(start, start + n))
-            table = seq.block_table
+            table = seq.kv.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             starts.append(len(ids))
             seq_lens.append(start + n)

@@ -47,9 +47,9 @@ class Scheduler:
         self._arrivals = itertools.count()
 
     def add(self, seq: Sequence) -> None:
-        seq.arrival = next(self._arrivals)
+        seq.sched.arrival = next(self._arrivals)
         for fork in seq.forks:
-            fork.arrival, fork.priority = seq.arrival, seq.priority
+            fork.sched.arrival, fork.sched.priority = seq.sched.arrival, seq.sched.priority
         self.policy.enqueue(self.waiting, seq)
 
     def num_seats(self) -> int:
@@ -61,23 +61,23 @@ class Scheduler:
 
     def has_schedulable(self) -> bool:
         """Whether a step would run anything: some sequence is not paused."""
-        return any(not s.paused for s in self.running) or any(not s.paused for s in self.waiting)
+        return any(not s.sched.paused for s in self.running) or any(not s.sched.paused for s in self.waiting)
 
     def preempt(self, seq: Sequence, requeue: bool = True) -> None:
         """Recompute later: drop its KV, keep its tokens (prompt and output so far)."""
-        self.blocks.free_table(seq.block_table)
-        seq.num_computed = 0
-        seq.block_hashes.clear()
-        seq.spec_tokens.clear()  # guesses ride only on a decode; it comes back as a prefill
-        seq.spec_states.clear()
+        self.blocks.free_table(seq.kv.block_table)
+        seq.kv.num_computed = 0
+        seq.kv.block_hashes.clear()
+        seq.spec.tokens.clear()  # guesses ride only on a decode; it comes back as a prefill
+        seq.spec.states.clear()
         self.running.remove(seq)
         if requeue:
             self.policy.enqueue(self.waiting, seq, returning=True)
         self.num_preemptions += 1
-        seq.num_preemptions += 1
+        seq.sched.num_preemptions += 1
 
     def _allocate(self, seq: Sequence, n: int) -> bool:
-        return self.blocks.allocate_slots(seq.block_table, seq.num_computed, n) is not None
+        return self.blocks.allocate_slots(seq.kv.block_table, seq.kv.num_computed, n) is not None
 
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
@@ -87,12 +87,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.paused:
+            if seq.sched.paused:
                 i += 1
                 continue
-            if seq.spec_tokens:  # a decode with proposed tokens: the guesses ride along, budget permitting
-                del seq.spec_tokens[max(0, budget - (seq.length - seq.num_computed)):]
-            n = min(seq.length - seq.num_computed + len(seq.spec_tokens), budget)
+            if seq.spec.tokens:  # a decode with proposed tokens: the guesses ride along, budget permitting
+                del seq.spec.tokens[max(0, budget - (seq.length - seq.kv.num_computed)):]
+            n = min(seq.length - seq.kv.num_computed + len(seq.spec.tokens), budget)
             while not self._allocate(seq, n):
                 victim = self.policy.victim(self.running[i:])
                 self.preempt(victim)
@@ -104,21 +104,21 @@ class Scheduler:
                 budget -= n
                 i += 1
         # 2. waiting sequences in the policy's order, while budget and blocks last
-        paused = [s for s in self.waiting if s.paused]
+        paused = [s for s in self.waiting if s.sched.paused]
         if paused:  # aside while the others are served, then back in their places
-            self.waiting = deque(s for s in self.waiting if not s.paused)
+            self.waiting = deque(s for s in self.waiting if not s.sched.paused)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if self.num_seats() + 1 + len(seq.forks) > self.config.max_num_seqs:
                 break  # its n-1 forks join the running set after its prefill: they count from now
-            if not seq.block_table:
-                seq.num_computed = self.blocks.allocate_prompt(seq.block_table, seq.all_ids,
+            if not seq.kv.block_table:
+                seq.kv.num_computed = self.blocks.allocate_prompt(seq.kv.block_table, seq.all_ids,
                                                                lookup=not seq.wants_prompt_logprobs)
-            n = min(seq.length - seq.num_computed, budget)
+            n = min(seq.length - seq.kv.num_computed, budget)
             placed = self._allocate(seq, n)
             # A paused sequence's blocks are the first to give up for one that can run.
-            while not placed and any(s.paused for s in self.running):
-                victim = self.policy.victim([s for s in self.running if s.paused])
+            while not placed and any(s.sched.paused for s in self.running):
+                victim = self.policy.victim([s for s in self.running if s.sched.paused])
                 self.preempt(victim, requeue=False)
                 paused.append(victim)  # aside with the others: it waits for its reader
                 placed = self._allocate(seq, n)
@@ -126,8 +126,8 @@ class Scheduler:
                 # alone and still no room: the pool is smaller than this prompt chunk
                 n = 0 if self.running else self._shrink_to_fit(seq, n)
                 if n == 0:
-                    self.blocks.free_table(seq.block_table)  # give back prefix hits; retry next step
-                    seq.num_computed = 0
+                    self.blocks.free_table(seq.kv.block_table)  # give back prefix hits; retry next step
+                    seq.kv.num_computed = 0
                     break
             self.waiting.popleft()
             self.running.append(seq)
@@ -143,21 +143,21 @@ class Scheduler:
         """The forward computed the scheduled tokens: advance each sequence and name the
         blocks it filled, for later prefix hits."""
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            self.advance(seq, n - len(seq.spec_tokens))  # proposed tokens count once they are accepted
+            self.advance(seq, n - len(seq.spec.tokens))  # proposed tokens count once they are accepted
 
     def advance(self, seq: Sequence, n: int) -> None:
         """n more of the sequence's tokens have their KV in its blocks (a forward computed
         them, or proposed tokens were accepted)."""
-        seq.num_computed += n
-        if self.blocks.enable_prefix_caching and seq.num_computed // self.blocks.block_size > len(seq.block_hashes):
-            self.blocks.seal_full_blocks(seq.block_table, seq.all_ids, seq.num_computed, seq.block_hashes)
+        seq.kv.num_computed += n
+        if self.blocks.enable_prefix_caching and seq.kv.num_computed // self.blocks.block_size > len(seq.kv.block_hashes):
+            self.blocks.seal_full_blocks(seq.kv.block_table, seq.all_ids, seq.kv.num_computed, seq.kv.block_hashes)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """A sample of the same prompt joins the running set, sharing the parent's blocks."""
-        child.block_table = self.blocks.fork(parent.block_table)
-        child.block_hashes = list(parent.block_hashes)
-        child.num_computed = parent.num_computed
-        child.priority, child.arrival = parent.priority, parent.arrival
+        child.kv.block_table = self.blocks.fork(parent.kv.block_table)
+        child.kv.block_hashes = list(parent.kv.block_hashes)
+        child.kv.num_computed = parent.kv.num_computed
+        child.sched.priority, child.sched.arrival = parent.sched.priority, parent.sched.arrival
         child.stats.forwards = list(parent.stats.forwards)
         self.running.append(child)
 
@@ -170,7 +170,7 @@ class Scheduler:
         return 0
 
     def finish(self, seq: Sequence) -> None:
-        self.blocks.free_table(seq.block_table)
+        self.blocks.free_table(seq.kv.block_table)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -1,5 +1,6 @@
-"""One sample's working state in the engine: tokens, text, stop policy, KV placement,
-speculation, grammar and tool state. What it gives back is in engine/outputs.py."""
+"""One sample's working state in the engine: its tokens, text and stop policy, with the
+engine's state of it grouped by concern (KV placement, scheduling, speculation). What it
+gives back is in engine/outputs.py."""
 from __future__ import annotations
 
 import time
@@ -11,6 +12,36 @@ from ..structured import Constraint
 from ..tokenizer import IncrementalDetokenizer, StopMatcher
 from ..tools.tool_use import ToolUseState
 from .outputs import CompletionOutput, FinishCause, RequestStats, StreamDelta
+
+
+@dataclass
+class KVPlacement:
+    """Where a sequence's keys and values are: written by the scheduler through the KV
+    manager, read by the runner (and the draft model's copy of a sequence has its own)."""
+
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0  # leading tokens whose keys and values are in the cache
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix hashes of its full blocks
+
+
+@dataclass
+class SchedulingState:
+    """What the scheduler and its policy (engine/policy.py) know of a sequence."""
+
+    priority: int = 0  # vLLM's: lower is served first under the priority policy
+    arrival: int = 0  # the scheduler's count when its request arrived (forks share their parent's)
+    paused: bool = False  # its reader is behind: not scheduled (its blocks kept) until it catches up
+    num_preemptions: int = 0
+
+
+@dataclass
+class Speculation:
+    """Its speculative decoding: the guesses checked in this step's forward (spec_decode)."""
+
+    tokens: list[int] = field(default_factory=list)  # proposed next tokens
+    states: list[Constraint] = field(default_factory=list)  # under a grammar: its state after each of them
+    accept_rate: float = 1.0  # running chance that a guess is accepted (spec_decode.policy)
+    idle_steps: int = 0  # steps without guesses since it chose none
 
 
 @dataclass
@@ -29,10 +60,7 @@ class Sequence:
     max_model_len: int
     tool_use: ToolUseState | None = None
     grammar: Constraint | None = None  # its structured-output constraint, advanced token by token
-    spec_tokens: list[int] = field(default_factory=list)  # proposed next tokens, checked in this step's forward
-    spec_states: list[Constraint] = field(default_factory=list)  # under a grammar: its state after each of them
-    spec_accept_rate: float = 1.0  # running chance that a guess is accepted (spec_decode.policy)
-    spec_idle_steps: int = 0  # steps without guesses since it chose none
+    # the output so far
     output_ids: list[int] = field(default_factory=list)
     output_mask: list[int] = field(default_factory=list)
     text: str = ""
@@ -40,17 +68,14 @@ class Sequence:
     cumulative_logprob: float = 0.0
     finish_cause: FinishCause | None = None
     stop_reason: int | str | None = None
-    num_computed: int = 0  # tokens whose keys and values are in the cache
-    block_table: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)  # prefix hashes of its full blocks
-    num_preemptions: int = 0
-    forks: list[Sequence] = field(default_factory=list)  # samples 1..n-1, forked after this one's prefill
-    paused: bool = False  # its reader is behind: not scheduled (its blocks kept) until it catches up
-    priority: int = 0  # vLLM's: lower is served first under the priority policy (engine/policy.py)
-    arrival: int = 0  # the scheduler's count when its request arrived (forks share their parent's)
     # With params.prompt_logprobs: one entry per prompt token so far (the first None: nothing predicts it)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False  # handed out with a delta already
+    forks: list[Sequence] = field(default_factory=list)  # samples 1..n-1, forked after this one's prefill
+    # the engine's state of it, one object per concern
+    kv: KVPlacement = field(default_factory=KVPlacement)
+    sched: SchedulingState = field(default_factory=SchedulingState)
+    spec: Speculation = field(default_factory=Speculation)
     stats: RequestStats = field(init=False)
     stop_ids: frozenset[int] = field(init=False)  # params.stop_token_ids, looked up every token
 

@@ -335,17 +335,15 @@ def gguf_config(meta: Mapping[str, Any], tensor_shapes: Mapping[str, Sequence[in
         bias = "blk.0.attn_q.bias" in tensor_shapes
         qk_norm = "blk.0.attn_q_norm.weight" in tensor_shapes
 
-    # llama.cpp converts Mistral checkpoints to the llama architecture; only the name tells.
     sliding_window = meta.get(f"{arch}.attention.sliding_window")
-    name = f"{meta.get('general.name', '')} {meta.get('general.basename', '')}".lower()
-    if family.name == "llama" and meta.get(f"{arch}.expert_count"):  # Mixtral: llama with experts
-        family = registry.by_name("mixtral")
-    elif family.name == "llama" and ("mistral" in name or sliding_window is not None):  # (gemma3 has its own)
-        family = registry.by_name("mistral")
-    moe = _moe_spec(meta, arch, family, num_layers, tensor_shapes) if family.is_moe else None
+    family = _variant(family, meta, arch)
+    moe = _moe_spec(meta, arch, family, num_layers, tensor_shapes) if family.experts else None
 
-    # the family's own fields (its "{arch}." keys), for its module to read
+    # the file's "{arch}." fields, and the family's own keys as its registry entry names them, for its module
     extra = {"gguf_architecture": arch, "gguf_fields": {k: v for k, v in meta.items() if k.startswith(f"{arch}.")}}
+    for key in family.config_keys:
+        spelled = f"{arch}.{key.gguf or key.name}"
+        extra[key.name] = key.read(meta.get(spelled), spelled)
     rotary_dim = None
     if (rope_dim := meta.get(f"{arch}.rope.dimension_count")) is not None:
         extra["rope_dimension_count"] = check_int(rope_dim, f"{arch}.rope.dimension_count", hi=head_dim)
@@ -381,6 +379,17 @@ def gguf_config(meta: Mapping[str, Any], tensor_shapes: Mapping[str, Sequence[in
         moe=moe,
         extra=extra,
     ))
+
+
+def _variant(family: registry.Architecture, meta: Mapping[str, Any], arch: str) -> registry.Architecture:
+    """The family a file written under `family`'s GGUF name is (llama.cpp writes Mistral and Mixtral
+    as "llama"): the first registered variant with experts exactly when the file has them and
+    one of its marks; else `family`."""
+    experts = bool(meta.get(f"{arch}.expert_count"))
+    name = f"{meta.get('general.name', '')} {meta.get('general.basename', '')}".lower()
+    return next((v for v in registry.ARCHITECTURES if v.gguf_variant_of == family.name and v.experts == experts
+                 and (any(meta.get(f"{arch}.{k}") is not None for k in v.gguf_marks)
+                      or any(word in name for word in v.gguf_name_marks))), family)
 
 
 def _moe_spec(meta: Mapping[str, Any], arch: str, family: registry.Architecture, num_layers: int,
@@ -454,7 +463,11 @@ def _llama3_rope_scaling(rope_factors: np.ndarray, theta: float, head_dim: int) 
 # ----------------------------------------------------------------------------- tensors
 
 
-def _hf_name(gguf_name: str, norm_layout: str = "pre", fused: bool = False) -> str | None:
+def _hf_name(gguf_name: str, norm_layout: str = "pre", fused: bool = False,
+             own: Mapping[str, str] | None = None) -> str | None:
+    """The module's name for a GGUF tensor; `own`: the family's own tensors (GGUF name -> name)."""
+    if own and gguf_name in own:
+        return own[gguf_name]
     base, _, suffix = gguf_name.rpartition(".")
     if base in _GLOBAL_NAMES and suffix == "weight":
         return f"{_GLOBAL_NAMES[base]}.weight"
@@ -497,11 +510,13 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the file must hold: llama.cpp's common layout for the config, then the family's own."""
     h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (cfg.vocab_size, h), "output_norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
         shapes["output.weight"] = (cfg.vocab_size, h)
-    fused = registry.by_name(cfg.architecture).gguf_fused
+    family = registry.by_name(cfg.architecture)
+    fused = family.gguf_fused
     for i in range(cfg.num_layers):
         ff = cfg.intermediate_size
         if fused:  # phi3: q/k/v in one tensor, gate/up in ffn_up
@@ -531,6 +546,7 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             layer.update({"attn_q_norm.weight": (q if whole else cfg.head_dim,),
                           "attn_k_norm.weight": (kv if whole else cfg.head_dim,)})
         shapes.update({f"blk.{i}.{k}": v for k, v in layer.items()})
+    shapes.update({gguf: shape for shape, gguf in family.tensor_shapes(cfg).values() if gguf is not None})
     return shapes
 
 
@@ -562,6 +578,7 @@ def load_gguf(
             raise ModelLoadError(f"tensor {name} has shape {list(shapes[name])}, the metadata implies {list(shape)}")
 
     family = registry.by_name(cfg.architecture)
+    own = {gguf: name for name, (_, gguf) in family.tensor_shapes(cfg).items() if gguf is not None}
     state: dict[str, torch.Tensor] = {}
     longrope: dict[str, np.ndarray] = {}
     for info in gf.tensors:
@@ -579,7 +596,7 @@ def load_gguf(
             for e, t in enumerate(_experts(gf.buf, info, dtype)):
                 state[f"model.layers.{m.group(1)}.mlp.experts.{e}.{m.group(2)}_proj.weight"] = t
             continue
-        hf_name = _hf_name(info.name, cfg.norm_layout, family.gguf_fused)
+        hf_name = _hf_name(info.name, cfg.norm_layout, family.gguf_fused, own)
         if hf_name is None or info.name not in expected:
             raise ModelLoadError(f"unexpected tensor {info.name!r} in a {cfg.architecture} GGUF file")
         permute = family.gguf_llama_rope and info.name.endswith((".attn_q.weight", ".attn_k.weight"))

@@ -123,8 +123,9 @@ def hf_config(raw: dict) -> ModelConfig:
         attn_scale=None if scalar is None else check_number(scalar, "query_pre_attn_scalar") ** -0.5,
         attn_softcap=_optional_number(raw, "attn_logit_softcapping"),
         final_softcap=_optional_number(raw, "final_logit_softcapping"),
-        moe=_moe(raw, arch, layers) if arch.is_moe else None,
-        extra={"hf_config": raw},  # the family's own fields, for its module to read
+        moe=_moe(raw, arch, layers) if arch.experts else None,
+        # the file's fields, and the family's own keys as its registry entry names them, for its module
+        extra={"hf_config": raw, **{k.name: k.read(raw.get(k.hf or k.name), k.hf or k.name) for k in arch.config_keys}},
     ))
 
 
@@ -213,6 +214,10 @@ def _check_shapes(config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> No
         if name in shapes and shapes[name] != shape:
             raise ModelLoadError(f"{fields} in config.json imply {name} of shape {list(shape)}, "
                                  f"the weights have {list(shapes[name])}")
+    for name, (shape, _) in registry.by_name(config.architecture).tensor_shapes(config).items():  # the family's own
+        if name in shapes and shapes[name] != shape:
+            raise ModelLoadError(f"config.json implies {name} of shape {list(shape)}, the weights have "
+                                 f"{list(shapes[name])}")
 
 
 def load_hf_folder(path: Path, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

@@ -1,5 +1,7 @@
 """Files -> a module ready to serve: a loader reads the files, the registry names the
-module for their architecture, and the module takes the tensors as they are."""
+module for their architecture, and the module takes the tensors as they are. The one place
+where loaders and model modules meet (the import-linter contract keeps every other module of
+this package off the loaders)."""
 from __future__ import annotations
 
 import importlib
@@ -76,8 +78,10 @@ def build_module(config: ModelConfig, state: dict[str, torch.Tensor], device: st
     serving dtype: no copy, no second cast), then make the rotary tables on `device`.
     Empties `state`: tensors the model did not keep as they are (fused projections copy
     theirs) are freed before the linears are packed, which copies them once more."""
+    family = registry.by_name(config.architecture)
     with torch.device("meta"):
         model = model_class(config.architecture)(config)
+    model.use_decoder_stack = family.decoder_stack  # a fast path only where the family's facts allow it
     try:
         model.load_weights(state)
     except (ValueError, RuntimeError) as e:

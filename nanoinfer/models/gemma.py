@@ -45,7 +45,6 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
-    use_decoder_stack = False  # the compiled stack is written for Llama's pre-norm layers
     layer_class = GemmaDecoderLayer
 
     def __init__(self, config: ModelConfig):

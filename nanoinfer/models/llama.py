@@ -202,7 +202,9 @@ class Backbone(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    use_decoder_stack = True  # run the layers as one compiled call where they can (models/stack.py)
+    # Run the layers as one compiled call where they can (models/stack.py): the builder turns it
+    # on for the families whose registry entry says decoder_stack (an allow-list, not an opt-out).
+    use_decoder_stack = False
     layer_class: type[nn.Module] = DecoderLayer
 
     def __init__(self, config: ModelConfig):

@@ -78,7 +78,6 @@ class MoeDecoderLayer(DecoderLayer):
 
 
 class MoeForCausalLM(LlamaForCausalLM):
-    use_decoder_stack = False  # the compiled stack runs dense MLPs
     layer_class = MoeDecoderLayer
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:

@@ -3,7 +3,8 @@ attention or the MLP; an RMSNorm on each branch's output before it joins the str
 (post_attention_layernorm, post_feedforward_layernorm), and q and k each RMS-normed over all
 their heads at once before rotary (ModelConfig.qk_norm_over_heads, in llama.Attention).
 
-The compiled decoder stack is written for pre-norm layers, so these run as modules."""
+The compiled decoder stack is written for pre-norm layers, so these run as modules (its
+registry entry, olmo2_facts.py, does not allow the stack)."""
 from __future__ import annotations
 
 from torch import nn
@@ -29,5 +30,4 @@ class Olmo2DecoderLayer(nn.Module):
 
 
 class Olmo2ForCausalLM(LlamaForCausalLM):
-    use_decoder_stack = False
     layer_class = Olmo2DecoderLayer

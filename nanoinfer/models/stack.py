@@ -1,7 +1,9 @@
 """The Llama module's decoder layers handed to the compiled decoder stack
-(kernels/decoder_stack.py) when everything they hold can run there: every projection in GGUF
-blocks with a kernel, an attention backend that declares `fused_stack` (an allow-list: the
-CPU paged-attention backend, whose kernel and metadata the stack shares), fp32 activations.
+(kernels/decoder_stack.py) when everything they hold can run there: a family whose registry
+entry says `decoder_stack` (an allow-list: pre-norm Llama layers; the builder sets
+`use_decoder_stack` from it), every projection in GGUF blocks with a kernel, an attention
+backend that declares `fused_stack` (an allow-list: the CPU paged-attention backend, whose
+kernel and metadata the stack shares), fp32 activations.
 Otherwise the modules run one by one, computing the same bits.
 
 One stack per KV cache: it holds the cache's per-layer tensors."""
