@@ -27,6 +27,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def milliseconds_or_off(text: str) -> float | None:
+    """A time in ms (finite, > 0), or 0 / "off" for none."""
+    if text.strip().lower() in ("0", "off", "none"):
+        return None
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of ms > 0, or 0 for none; got {text}")
+    return value
+
+
 def byte_size(text: str) -> int:
     """Bytes, with an optional K/M/G suffix (powers of 1024): 65536, 64K, 2G."""
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
@@ -94,7 +104,7 @@ def json_object(text: str) -> dict:
 # --- the engine --------------------------------------------------------------------------
 def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: int | str = 64,
                     max_num_batched_tokens: int | str = 512, kv_cache: bool = True,
-                    tensor_parallel: bool = False) -> None:
+                    tensor_parallel: bool = False, step_time_target_ms: float | None = None) -> None:
     """The scheduler's limits and (unless kv_cache=False) the KV cache's size and prefix
     caching, in an "engine" group, and --tensor-parallel-size where the command builds its
     model through LLM. Each command passes its own defaults."""
@@ -108,6 +118,10 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: int | str = 64,
     default, shown = _default(max_num_batched_tokens)
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=default,
                    help=f"tokens in one step, prefill chunks included (default {shown})")
+    g.add_argument("--step-time-target-ms", type=milliseconds_or_off, default=step_time_target_ms, metavar="MS",
+                   help="a step that decodes takes about this long: prompt chunks beside decodes are sized to fit, so "
+                        "streams keep their cadence while prompts prefill; 0: the token budget alone (default "
+                        f"{'0' if step_time_target_ms is None else f'{step_time_target_ms:g}'})")
     if kv_cache:
         g.add_argument("--kv-cache-memory", type=byte_size, default=None,
                        help="bytes for the KV cache (default: room for --max-num-seqs full contexts, at most a quarter "
@@ -133,7 +147,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 attention_backend=a.attention_backend,
                 enable_prefix_caching=not a.no_prefix_caching,
                 tensor_parallel_size=getattr(a, "tensor_parallel_size", 1),
-                constraint_limits=a.structured_outputs_config, scheduling_policy=a.scheduling_policy)
+                constraint_limits=a.structured_outputs_config, scheduling_policy=a.scheduling_policy,
+                step_time_target_ms=a.step_time_target_ms)
 
 
 # --- sampling ----------------------------------------------------------------------------

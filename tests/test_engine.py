@@ -153,6 +153,23 @@ def test_batch_invariance_with_chunking_and_preemption(llama_dir):
     assert llm.engine.blocks.num_used == 0
 
 
+def test_paced_prefill_chunks_change_no_token(llama_dir):
+    """A step-time target far below a step's cost: every prompt beside decodes advances by the
+    pacer's minimum chunk; every greedy output still equals the request run alone."""
+    prompts = [rand_prompt(n, 200 + n) for n in (50, 3, 61, 37)]
+    model = LLM(llama_dir).loaded.model
+    refs = [generate_uncached(model, p, 12)[0] for p in prompts]
+    llm = LLM(llama_dir, max_num_batched_tokens=64, step_time_target_ms=1e-3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=12, **GREEDY))
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    pacer = llm.engine.scheduler.pacer
+    assert pacer.seconds_per_token is not None
+    chunks = [f.num_tokens for o in outs for s in o.stats for f in s.forwards if f.context_len > f.num_tokens > 1]
+    assert chunks and all(n <= pacer.min_chunk for n in chunks)  # prefill continued beside decodes, paced
+    with pytest.raises(InvalidRequestError):
+        LLM(llama_dir, step_time_target_ms=-1.0)
+
+
 def test_prefix_cache_computes_only_the_tail(llama_dir):
     llm = LLM(llama_dir, block_size=8)
     shared = rand_prompt(64, 9)

@@ -215,3 +215,44 @@ def test_the_server_passes_priority_to_the_engine(llama_dir):
                                        extra_body={"priority": 7}, stream=False)
         list(client.completions.create(model="m", prompt="c", max_tokens=2, stream=True))
     assert seen == [-3, 7, 0]
+
+
+def test_decodes_go_first_and_the_pacer_sizes_prefill_chunks_beside_them():
+    """Prompt chunks beside decodes take what the step-time target leaves; alone, the whole budget."""
+    s = Scheduler(SchedulerConfig(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, block_size=4,
+                                  step_time_target_s=0.02))
+    a = seq("a", 40)
+    s.add(a)
+    assert run(s) == ["a"] and a.kv.num_computed == 40  # no estimate yet: the token budget alone
+    s.pacer.observe(40, 0.040)  # 1 ms a token: a 20 ms step holds 20 tokens
+    a.output_ids.append(7)  # a sampled token: a decodes from now on
+    b = seq("b", 100, first_token=200)
+    s.add(b)
+    batch = s.schedule()
+    assert [q.request_id for q in batch.seqs] == ["a", "b"] and batch.num_tokens == [1, 19]
+    s.update_after_forward(batch)
+    # b, still prefilling and admitted before c, comes after a's decode
+    c = seq("c", 8, first_token=400)
+    s.add(c)
+    a.output_ids.append(8)
+    batch = s.schedule()
+    assert [q.request_id for q in batch.seqs] == ["a", "b"] and batch.num_tokens == [1, 19]
+    s.update_after_forward(batch)
+    s.finish(a)  # nothing decodes: prefill takes the whole budget
+    batch = s.schedule()
+    assert [q.request_id for q in batch.seqs] == ["b", "c"] and batch.num_tokens == [62, 2]
+
+
+def test_a_prompt_never_starves_and_small_steps_do_not_teach_the_pacer():
+    s = Scheduler(SchedulerConfig(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, block_size=4,
+                                  step_time_target_s=0.001))
+    s.pacer.observe(8, 10.0)  # too few tokens to measure per-token cost: ignored
+    assert s.pacer.seconds_per_token is None
+    s.pacer.observe(64, 0.064)  # 1 ms a token: the target holds one token, less than a decode's share
+    a, b = seq("a", 4), seq("b", 50, first_token=100)
+    s.add(a)
+    run(s)
+    a.output_ids.append(5)
+    s.add(b)
+    batch = s.schedule()
+    assert batch.num_tokens == [1, s.pacer.min_chunk]  # the minimum chunk still advances

@@ -102,7 +102,8 @@ def run_engine(env: BenchEnv, reqs: list[Request], max_num_seqs: int, max_num_ba
     engine = LLMEngine(env.loaded, EngineConfig(
         max_model_len=max(lens), kv_cache_memory=pool, block_size=BLOCK_SIZE, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, speculative_config=env.args.speculative_config,
-        attention_backend=env.args.attention_backend, scheduling_policy=env.args.scheduling_policy))
+        attention_backend=env.args.attention_backend, scheduling_policy=env.args.scheduling_policy,
+        step_time_target_ms=env.args.step_time_target_ms))
     # Warm up on a throwaway request (first calls pay for lazy initialisation), with its
     # own random prompt so that it leaves nothing in the prefix cache for the others.
     warmup = random_prompt(random.Random(-1), max(1, min(16, max(lens) - 2)), env.loaded.config.vocab_size)

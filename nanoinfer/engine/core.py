@@ -51,6 +51,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES: "auto" is kv_cache_dtype()'s rule
     attention_backend: str = "auto"  # a registered name (attention/), or the first that runs on the device and KV dtype
     scheduling_policy: str = "fcfs"  # engine/policy.py: "fcfs" or "priority" (requests' `priority`, lower first)
+    # engine/pacing.py: a step that decodes takes about this long, prefill chunks sized to fit; None: no bound
+    step_time_target_ms: float | None = None
     speculative_config: SpeculativeConfig | dict | None = None  # vLLM's: {"method": "ngram", ...}
     constraint_limits: ConstraintLimits | dict | None = None  # structured outputs' limits (None: the defaults)
     # >1: the model split over this many processes (distributed/): the model must have been
@@ -107,9 +109,13 @@ class LLMEngine:
                                       f"set --kv-cache-memory", "kv_cache_memory") from None
         if hasattr(self.model, "set_context"):  # LongRoPE's short or long factors follow the window
             self.model.set_context(self.max_model_len)
+        if config.step_time_target_ms is not None and not config.step_time_target_ms > 0:
+            raise InvalidRequestError(f"step_time_target_ms must be > 0, got {config.step_time_target_ms}",
+                                      "step_time_target_ms")
+        step_target = config.step_time_target_ms / 1e3 if config.step_time_target_ms else None
         self.scheduler = Scheduler(SchedulerConfig(num_blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.block_size, config.enable_prefix_caching,
-                                                   config.scheduling_policy))
+                                                   config.scheduling_policy, step_target))
         self.executor = None
         if tp > 1:
             self.executor = TensorParallelExecutor(tp, str(self.device))
@@ -249,6 +255,7 @@ class LLMEngine:
         seconds = time.perf_counter() - t0
         if self.proposer is not None and all(n == 1 + len(seq.spec.tokens) for seq, n in zip(batch.seqs, batch.num_tokens)):
             self.step_times.observe(batch.total_tokens, seconds)  # decode rows only
+        self.scheduler.pacer.observe(batch.total_tokens, seconds)
         self.last_step_tokens = batch.total_tokens
         self.total_steps += 1
         self.total_step_tokens += batch.total_tokens

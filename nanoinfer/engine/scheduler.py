@@ -5,9 +5,12 @@ prompt asks for the rest of its prompt, cut to what the budget leaves (chunked
 prefill). So a long prompt is prefilled over several steps while the others keep
 decoding, and prefix caching simply starts a prompt with some tokens already computed.
 
-Order: running sequences first (in admission order), then waiting ones in the policy's order
-(engine/policy.py: FCFS, or priority). When the KV pool has no block for a running sequence,
-the policy names one to preempt: its blocks are freed and it waits again, to be recomputed.
+Order: running sequences that decode first, then running ones still prefilling (each in
+admission order), then waiting ones in the policy's order (engine/policy.py: FCFS, or
+priority). Prefill chunks share what the pacer (engine/pacing.py) leaves of a step's time
+target once the decodes are counted, so a prompt never stalls the streams that decode. When
+the KV pool has no block for a running sequence, the policy names one to preempt: its blocks
+are freed and it waits again, to be recomputed.
 A paused sequence (its reader has fallen behind) is skipped, wherever it is, and keeps its place.
 
 The scheduler reaches blocks through the KV manager's doors only: allocate_prompt (the
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 
 from .batch import ScheduledBatch
 from .kv_manager import BlockManager
+from .pacing import StepPacer
 from .policy import SchedulingPolicy, policy_named
 from .sequence import Sequence
 
@@ -34,6 +38,7 @@ class SchedulerConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     policy: str = "fcfs"  # engine/policy.py: "fcfs" or "priority"
+    step_time_target_s: float | None = None  # engine/pacing.py; None: the token budget alone
 
 
 class Scheduler:
@@ -45,6 +50,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._arrivals = itertools.count()
+        self.pacer = StepPacer(config.step_time_target_s)
 
     def add(self, seq: Sequence) -> None:
         seq.sched.arrival = next(self._arrivals)
@@ -76,33 +82,51 @@ class Scheduler:
         self.num_preemptions += 1
         seq.sched.num_preemptions += 1
 
+    @staticmethod
+    def _decodes(seq: Sequence) -> bool:
+        """Its next token (and any guesses) is all it computes this step: a decode, not a prefill."""
+        return seq.length - seq.kv.num_computed <= 1
+
     def _allocate(self, seq: Sequence, n: int) -> bool:
         return self.blocks.allocate_slots(seq.kv.block_table, seq.kv.num_computed, n) is not None
 
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
         batch = ScheduledBatch()
-        # 1. running sequences, in admission order; the policy's victim gives up its blocks when
-        # they run out (one not scheduled yet in this step: this one or one after it)
+        # 1. running sequences, decodes first (each in admission order); the policy's victim gives
+        # up its blocks when they run out (one not scheduled yet in this step: this one or later)
+        order = [s for s in self.running if not s.sched.paused]
+        order.sort(key=lambda s: not self._decodes(s))
+        prefill = None  # prompt tokens left for this step, set once the decodes are placed
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            if seq.sched.paused:
-                i += 1
-                continue
+        while i < len(order) and budget > 0:
+            seq = order[i]
             if seq.spec.tokens:  # a decode with proposed tokens: the guesses ride along, budget permitting
                 del seq.spec.tokens[max(0, budget - (seq.length - seq.kv.num_computed)):]
             n = min(seq.length - seq.kv.num_computed + len(seq.spec.tokens), budget)
+            if not self._decodes(seq):
+                if prefill is None:
+                    prefill = self.pacer.prefill_budget(batch.total_tokens, budget)
+                n = min(n, prefill)
+                if n == 0:
+                    break
             while not self._allocate(seq, n):
-                victim = self.policy.victim(self.running[i:])
+                placed = set(map(id, batch.seqs))
+                victim = self.policy.victim([s for s in self.running if id(s) not in placed])
                 self.preempt(victim)
+                order = [s for s in order if s is not victim]
                 if victim is seq:
                     break
             else:
                 batch.seqs.append(seq)
                 batch.num_tokens.append(n)
                 budget -= n
+                if prefill is not None:
+                    prefill -= n
                 i += 1
+        if prefill is None:
+            prefill = self.pacer.prefill_budget(batch.total_tokens, budget)
+        budget = min(budget, prefill)  # what is left is for prompts
         # 2. waiting sequences in the policy's order, while budget and blocks last
         paused = [s for s in self.waiting if s.sched.paused]
         if paused:  # aside while the others are served, then back in their places

@@ -11,8 +11,9 @@ C++ compiler and called through ctypes.
   weights in their GGUF blocks; nanoinfer/kernels/decoder_stack.py calls it.
 - `rms_norm_*`, `rope_*`, `silu_mul_*` (csrc/layer_ops.cpp): a decoder layer's small ops in
   one pass each, fp32 and bf16; nanoinfer/kernels/layer_ops.py calls them.
-- `quant_linear`, `quant_dequantize_rows` (csrc/quant_gemm.cpp): y = x W^T with W kept in
-  its GGUF blocks (Q8_0 ... Q6_K, F16, BF16); nanoinfer/kernels/quant.py calls them.
+- `quant_linear`, `quant_dequantize_rows` (csrc/quant_gemm.cpp, the types' records and
+  kernels in csrc/quant/): y = x W^T with W kept in its GGUF blocks (Q8_0 ... Q6_K, F16, BF16);
+  nanoinfer/kernels/quant.py calls them.
 
 They need no torch headers, so they build in about a second on first use, into
 ~/.cache/nanoinfer/kernels. Without a compiler (or with NANOINFER_CPU_KERNELS=0) the
@@ -38,7 +39,6 @@ from ..user_cache import user_cache_dir
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("paged_attention.cpp", "packed_gemm.cpp", "layer_ops.cpp", "quant_gemm.cpp",
                                     "decoder_stack.cpp")]
-HEADERS = [CSRC / "common.h", CSRC / "team.h"]
 # -ffast-math lets the dot products and sums vectorise; infinities stay (the softmax max starts at -inf).
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++17", "-fPIC"]
 
@@ -68,7 +68,7 @@ def _cpu_id() -> str:
         return platform.processor() + platform.machine()
 
 
-def _compile(compiler: str, out: Path) -> str | None:
+def _compile(compiler: str, out: Path, sources: list[Path]) -> str | None:
     """Build to a temporary name and rename (another process may build the same file at
     once). OpenMP when the compiler has it, else one thread. Returns an error or None.
 
@@ -78,10 +78,10 @@ def _compile(compiler: str, out: Path) -> str | None:
     err = ""
     with tempfile.TemporaryDirectory(dir=out.parent) as build:
         for extra in (["-fopenmp"], []):
-            objects = [str(Path(build) / f"{src.stem}.o") for src in SOURCES]
+            objects = [str(Path(build) / f"{src.stem}.o") for src in sources]
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
             os.close(fd)
-            steps = [[compiler, *_flags(), *extra, "-c", str(src), "-o", obj] for src, obj in zip(SOURCES, objects)]
+            steps = [[compiler, *_flags(), *extra, "-c", str(src), "-o", obj] for src, obj in zip(sources, objects)]
             steps.append([compiler, "-shared", *extra, *objects, "-o", tmp])
             for cmd in steps:
                 proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -95,33 +95,48 @@ def _compile(compiler: str, out: Path) -> str | None:
     return err
 
 
+def find_compiler() -> str | None:
+    """$CXX, else the system's C++ compiler."""
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+
+
+def build(compiler: str, csrc: Path, sources: list[Path]) -> tuple[Path, str | None]:
+    """The shared object built from `sources`, from the cache when built before: keyed by every
+    file under `csrc` (the headers, quant/types.def: a change to any of them builds anew), the
+    flags, the compiler and the CPU. Returns its path and None, or an error. (A test builds a
+    copy of csrc/ with a quant type added this way.)"""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    files = sorted(p for p in csrc.rglob("*") if p.is_file())
+    text = [f"{p.relative_to(csrc)}\0{p.read_text()}" for p in files] + [str(s.relative_to(csrc)) for s in sources]
+    key = hashlib.sha256("\0".join([*text, *_flags(), "link-separately", compiler, version, _cpu_id()]).encode())
+    name = f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    try:
+        path = user_cache_dir() / "kernels" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:  # no writable cache (a read-only home): build for this process only, in a private dir
+        path = Path(tempfile.mkdtemp(prefix="nanoinfer-kernels-")) / name
+    if path.exists():
+        return path, None
+    # a first run on this machine: tens of seconds, say so
+    print(f"nanoinfer: building the CPU kernels for this machine (once; cached in {path.parent}) ...",
+          file=sys.stderr, flush=True)
+    return path, _compile(compiler, path, sources)
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The built kernels, or None (with one line on stderr saying why) if they cannot be had."""
     if not enabled():
         return None
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    compiler = find_compiler()
     if compiler is None:
         print("nanoinfer: no C++ compiler found; the CPU runs the slower PyTorch paths", file=sys.stderr)
         return None
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-        text = [src.read_text() for src in SOURCES + HEADERS]
-        key = hashlib.sha256("\0".join([*text, *_flags(), "link-separately", compiler, version, _cpu_id()]).encode())
-        name = f"cpu_kernels-{key.hexdigest()[:16]}.so"
-        try:
-            path = user_cache_dir() / "kernels" / name
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError:  # no writable cache (a read-only home): build for this process only, in a private dir
-            path = Path(tempfile.mkdtemp(prefix="nanoinfer-kernels-")) / name
-        if not path.exists():  # a first run on this machine: tens of seconds, say so
-            print(f"nanoinfer: building the CPU kernels for this machine (once; cached in {path.parent}) ...",
-                  file=sys.stderr, flush=True)
-            err = _compile(compiler, path)
-            if err:
-                print(f"nanoinfer: building the CPU kernels failed ({err}); using the PyTorch paths",
-                      file=sys.stderr)
-                return None
+        path, err = build(compiler, CSRC, SOURCES)
+        if err:
+            print(f"nanoinfer: building the CPU kernels failed ({err}); using the PyTorch paths", file=sys.stderr)
+            return None
         lib = ctypes.CDLL(str(path))
     except OSError as e:
         print(f"nanoinfer: the CPU kernels are unavailable ({e}); using the PyTorch paths", file=sys.stderr)
@@ -134,12 +149,7 @@ def library() -> ctypes.CDLL | None:
     lib.decoder_stack.restype = ctypes.c_int
     lib.linear_packed_f32.argtypes = [p, p, p, p, i, i, i]
     lib.linear_packed_f32.restype = None
-    lib.quant_paths.argtypes = []
-    lib.quant_paths.restype = ctypes.c_int
-    lib.quant_linear.argtypes = [p]  # an int64 array of its arguments: kernels/quant.py
-    lib.quant_linear.restype = ctypes.c_int
-    lib.quant_dequantize_rows.argtypes = [ctypes.c_int, p, i, i, p, i, p]
-    lib.quant_dequantize_rows.restype = ctypes.c_int
+    declare_quant(lib)
     for suffix in LAYER_OP_SUFFIXES.values():
         getattr(lib, f"rms_norm_{suffix}").argtypes = [p, p, p, p, i, i, ctypes.c_float]
         getattr(lib, f"rope_{suffix}").argtypes = [p, i, p, p, p, i, i, i]
@@ -147,6 +157,19 @@ def library() -> ctypes.CDLL | None:
         for op in ("rms_norm", "rope", "silu_mul"):
             getattr(lib, f"{op}_{suffix}").restype = None
     return lib
+
+
+def declare_quant(lib: ctypes.CDLL) -> None:
+    """The argument types of csrc/quant_gemm.cpp's entry points."""
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    lib.quant_paths.argtypes = []
+    lib.quant_paths.restype = ctypes.c_int
+    lib.quant_types.argtypes = [p, ctypes.c_int]
+    lib.quant_types.restype = ctypes.c_int
+    lib.quant_linear.argtypes = [p]  # an int64 array of its arguments: kernels/quant.py
+    lib.quant_linear.restype = ctypes.c_int
+    lib.quant_dequantize_rows.argtypes = [ctypes.c_int, p, i, i, p, i, p]
+    lib.quant_dequantize_rows.restype = ctypes.c_int
 
 
 def decode_supported(cache: torch.Tensor) -> bool:

@@ -1,8 +1,10 @@
 """Linears on GGUF weights kept in their blocks (csrc/quant_gemm.cpp): y = x W^T where W is
 a tensor as a GGUF file stores it, [N, row_bytes] uint8, each row K / block_size blocks in
-llama.cpp's layout. The activations are quantised per block as llama.cpp does (q8_0 / q8_1
-for the 32-value formats, q8_K for the K-quants), so each block's dot product is an exact
-integer sum; F16 and BF16 weights meet the fp32 activations as they are.
+llama.cpp's layout. The types with kernels, their block sizes and activation formats are one
+table that the C++ reads too: csrc/quant/types.def, parsed here at import (`RECORDS`). The
+activations are quantised per block as llama.cpp does (q8_0 / q8_1 for the 32-value formats,
+q8_K for the K-quants), so each block's dot product is an exact integer sum; F16 and BF16
+weights meet the fp32 activations as they are.
 
 Each output row depends only on its own input row: the same bits alone or in any batch, and
 the same bits on every path (`paths()`: "avx512" where the CPU has AVX-512 F/BW/VL and
@@ -18,7 +20,10 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import threading
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -26,9 +31,41 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from . import cpu_kernels
 
 T = GGMLQuantizationType
-QUANT_TYPES: tuple[GGMLQuantizationType, ...] = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K,
-                                                 T.F16, T.BF16)
-_SIZES = {int(t): GGML_QUANT_SIZES[t] for t in QUANT_TYPES}  # qtype -> (values per block, bytes per block)
+TYPES_DEF = cpu_kernels.CSRC / "quant" / "types.def"
+
+
+@dataclass(frozen=True, slots=True)
+class QuantType:
+    """One record of csrc/quant/types.def (its comment says what each field means); the
+    kernels' names stay on the C++ side."""
+    name: str
+    ggml: int            # GGML's type id
+    block_values: int
+    block_bytes: int
+    acts: str            # the activations' format: f32, q8_0, q8_1, q8_K32, q8_K16
+
+
+def read_records(path: Path = TYPES_DEF) -> dict[int, QuantType]:
+    """The records of a types.def, by GGML id: one `QUANT_TYPE(...)` a line, `//` comments."""
+    records: dict[int, QuantType] = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        code = line.split("//")[0].strip()
+        if not code:
+            continue
+        match = re.fullmatch(r"QUANT_TYPE\((.*)\)", code)
+        fields = [f.strip() for f in match.group(1).split(",")] if match else []
+        if len(fields) != 7 or not all(f.isdigit() for f in fields[1:4]):
+            raise ValueError(f"{path}:{number}: not a record QUANT_TYPE(name, ggml, values, bytes, acts, dequantize, "
+                             f"dot): {line!r}")
+        record = QuantType(fields[0], int(fields[1]), int(fields[2]), int(fields[3]), fields[4])
+        if record.ggml in records:
+            raise ValueError(f"{path}:{number}: a second record for GGML type {record.ggml}")
+        records[record.ggml] = record
+    return records
+
+
+RECORDS = read_records()  # GGML id -> its record: the types with kernels
+QUANT_TYPES: tuple[GGMLQuantizationType, ...] = tuple(t for t in T if t in RECORDS)  # the same, as gguf's enum
 _PATH_CODES = {"portable": 1, "avx2": 2, "avx512": 3}  # PATH_* in csrc/quant_gemm.cpp; 0 = the fastest available
 _ERRORS = {-1: "no kernel for this type", -2: "path not available on this CPU", -3: "K is not a multiple of the block",
            -4: "a row index is out of range"}
@@ -45,22 +82,30 @@ _path = _path_from_env()  # the path code every call passes
 _local = threading.local()  # each thread's argument array for quant_linear
 
 
+def _sizes(qtype: int) -> tuple[str, int, int]:
+    """Name, values and bytes per block: from the record, else (a type without a kernel) gguf's table."""
+    r = RECORDS.get(qtype)
+    if r is not None:
+        return r.name, r.block_values, r.block_bytes
+    return T(qtype).name, *GGML_QUANT_SIZES[T(qtype)]
+
+
 def block_size(qtype: int) -> int:
     """Values per block (1 for F16/BF16)."""
-    return GGML_QUANT_SIZES[T(qtype)][0]
+    return _sizes(qtype)[1]
 
 
 def row_bytes(qtype: int, K: int) -> int:
     """Bytes of one weight row of K values."""
-    bs, ts = GGML_QUANT_SIZES[T(qtype)]
+    name, bs, ts = _sizes(qtype)
     if K % bs:
-        raise ValueError(f"K={K} is not a multiple of {T(qtype).name}'s block of {bs}")
+        raise ValueError(f"K={K} is not a multiple of {name}'s block of {bs}")
     return K // bs * ts
 
 
 def supported(qtype: int) -> bool:
     """A kernel exists for qtype and the compiled library loaded."""
-    return qtype in _SIZES and cpu_kernels.library() is not None
+    return qtype in RECORDS and cpu_kernels.library() is not None
 
 
 def paths() -> list[str]:
@@ -106,7 +151,7 @@ def _check(t: object, what: str, dtype: torch.dtype, dim: int) -> None:
 
 
 def _library(qtype: int):
-    if qtype not in _SIZES:
+    if qtype not in RECORDS:
         raise ValueError(f"no quantised kernel for GGML type {qtype}")
     lib = cpu_kernels.library()
     if lib is None:
@@ -124,15 +169,16 @@ def linear(x: torch.Tensor, w: torch.Tensor, qtype: int, bias: torch.Tensor | No
 
     Called per layer per step, so the checks are one expression (a few microseconds count
     when a model has 200 linears); the slow path says what is wrong."""
-    size = _SIZES.get(qtype)
-    if not (size is not None and _is(x, torch.float32, 2) and _is(w, torch.uint8, 2)
+    r = RECORDS.get(qtype)
+    if not (r is not None and _is(x, torch.float32, 2) and _is(w, torch.uint8, 2)
             and (bias is None or (_is(bias, torch.float32, 1) and bias.shape[0] == w.shape[0]))):
         _explain(x, w, qtype, bias)
     M, K = x.shape
     N = w.shape[0]
-    if K % size[0] or w.shape[1] != K // size[0] * size[1]:
-        raise ValueError(f"w has {w.shape[1]} bytes per row; {T(qtype).name} with K={K} needs "
-                         + (f"{row_bytes(qtype, K)}" if K % size[0] == 0 else f"K a multiple of {size[0]}"))
+    bs = r.block_values
+    if K % bs or w.shape[1] != K // bs * r.block_bytes:
+        raise ValueError(f"w has {w.shape[1]} bytes per row; {r.name} with K={K} needs "
+                         + (f"{row_bytes(qtype, K)}" if K % bs == 0 else f"K a multiple of {bs}"))
     lib = cpu_kernels.library()
     if lib is None:
         raise RuntimeError("the compiled CPU kernels are unavailable (no compiler, or NANOINFER_CPU_KERNELS=0)")
@@ -146,7 +192,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, qtype: int, bias: torch.Tensor | No
     args[:] = (qtype, _path, x.data_ptr(), w.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), M, K, N)
     rc = lib.quant_linear(addr)
     if rc:
-        raise RuntimeError(f"quant_linear({T(qtype).name}): {_ERRORS.get(rc, rc)}")
+        raise RuntimeError(f"quant_linear({r.name}): {_ERRORS.get(rc, rc)}")
     return y
 
 
@@ -169,7 +215,8 @@ def dequantize_rows(w: torch.Tensor, qtype: int, K: int, rows: torch.Tensor) -> 
     _check(w, "w", torch.uint8, 2)
     _check(rows, "rows", torch.int64, 1)
     if w.shape[1] != row_bytes(qtype, K):
-        raise ValueError(f"w has {w.shape[1]} bytes per row; {T(qtype).name} with K={K} needs {row_bytes(qtype, K)}")
+        raise ValueError(f"w has {w.shape[1]} bytes per row; {RECORDS[qtype].name} with K={K} needs "
+                         f"{row_bytes(qtype, K)}")
     out = torch.empty(rows.shape[0], K, dtype=torch.float32)
     if rows.numel() == 0:
         return out
@@ -178,5 +225,5 @@ def dequantize_rows(w: torch.Tensor, qtype: int, K: int, rows: torch.Tensor) -> 
     if rc == -4:
         raise IndexError(f"row index out of range for {w.shape[0]} rows")
     if rc:
-        raise RuntimeError(f"quant_dequantize_rows({T(qtype).name}): {_ERRORS.get(rc, rc)}")
+        raise RuntimeError(f"quant_dequantize_rows({RECORDS[qtype].name}): {_ERRORS.get(rc, rc)}")
     return out

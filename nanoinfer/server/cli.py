@@ -23,6 +23,10 @@ from ..cli_args import (
 )
 from ..errors import NanoinferError
 
+# A served step that decodes lasts about this long (engine/pacing.py): prompt chunks are cut to
+# fit, so every stream's next token comes within about this time of its last while prompts prefill.
+STEP_TIME_TARGET_MS = 100.0
+
 
 def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_model_args(p)
@@ -58,7 +62,8 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     lim.add_argument("--client-read-timeout", type=float, default=30.0,
                      help="seconds a stream may go unread: its request is paused once 64 chunks are waiting, and "
                           "aborted (KV freed, connection closed) after this long (default 30)")
-    add_engine_args(p, max_num_seqs=64, max_num_batched_tokens=512, tensor_parallel=True)
+    add_engine_args(p, max_num_seqs=64, max_num_batched_tokens=512, tensor_parallel=True,
+                    step_time_target_ms=STEP_TIME_TARGET_MS)
     rep = p.add_argument_group("replicas (Ray Serve)")
     rep.add_argument("--replicas", type=positive_int, default=1,
                      help="serve N engine replicas behind this endpoint on Ray Serve (pip install 'nanoinfer[ray]')")

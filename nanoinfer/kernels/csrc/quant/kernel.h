@@ -1,0 +1,103 @@
+// What every kernel of every path sees: the work of one call (Ctx), one activation row as a
+// type's dot takes it (ActsRow), and the scalar pieces whose exact behaviour the paths share:
+// fp16/bf16 conversion, fused multiply-add, and sums the optimiser may not regroup.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(__i386__)
+#define QG_X86 1
+#endif
+
+namespace {
+
+constexpr int64_t QK = 256;      // values per K-quant block
+// How far ahead of the block it reads a decode-sized call prefetches the weights (bytes; the
+// rows of a chunk are contiguous, so this runs into the rows that follow). The hardware
+// prefetcher alone left batch-1 decode at 11-15 GB/s of a memory that streams 19; 8 KiB
+// ahead measured best on Zen 3 (2 KiB: +12%, 8 KiB: +25% tok/s, 32 KiB: worse again).
+constexpr int64_t kPrefetch = 8192;
+
+// The value as it is, hidden from the optimiser: a sum whose operands pass through here
+// cannot be regrouped with other sums (-ffast-math allows regrouping otherwise).
+inline float opaque(float v) {
+#if defined(QG_X86)
+    asm("" : "+x"(v));
+#elif defined(__aarch64__)
+    asm("" : "+w"(v));
+#else
+    asm("" : "+m"(v));
+#endif
+    return v;
+}
+
+// a * b + c rounded once where the CPU has FMA (as the AVX2 path computes it), else twice.
+inline float madd(float a, float b, float c) {
+#if defined(__FMA__) || defined(__aarch64__) || defined(__ARM_FEATURE_FMA)
+    return std::fma(a, b, c);
+#else
+    return a * b + c;
+#endif
+}
+
+inline uint16_t rd16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+inline uint32_t rd32(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
+inline float from_bits(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline uint32_t to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+
+// IEEE half to float, exactly (subnormal halves are normal floats; no float op sees a subnormal).
+inline float f16(uint16_t h) {
+    const uint32_t sign = uint32_t(h & 0x8000) << 16, em = h & 0x7fff;
+    float mag;
+    if (em >= 0x7c00) mag = from_bits(0x7f800000u | ((em & 0x3ff) << 13));  // inf, nan
+    else if (em >= 0x0400) mag = from_bits((em << 13) + (112u << 23));
+    else mag = float(em) * 5.9604644775390625e-08f;  // subnormal: em * 2^-24
+    return from_bits(to_bits(mag) | sign);
+}
+inline float bf16(uint16_t h) { return from_bits(uint32_t(h) << 16); }
+
+// The fixed order in which 8 lanes are summed (the AVX2 hsum8 computes the same tree).
+inline float hsum8(const float* a) {
+    const float s0 = opaque(a[0] + a[4]), s1 = opaque(a[1] + a[5]), s2 = opaque(a[2] + a[6]), s3 = opaque(a[3] + a[7]);
+    const float t0 = opaque(s0 + s2), t1 = opaque(s1 + s3);
+    return opaque(t0 + t1);
+}
+
+// Everything one call works on. Activation row m: q + m * K, d and s + m * nb, bs + m * nb * 16
+// (sums of q per 16 values for q8_K16, per 32 for q8_K32: 8 used of 16).
+struct Ctx {
+    int64_t M, K, N, nb, rb;  // nb: weight blocks per row; rb: bytes per weight row
+    const uint8_t* w;
+    const float* x;           // fp32 activations (acts f32: F16, BF16)
+    const int8_t* q;
+    const float* d;
+    const float* s;
+    const int16_t* bs;
+    const float* bias;
+    float* y;
+    int64_t ldy;              // y[m, n] is y[m * ldy + n]
+    bool stream;              // each weight row is read once (decode sizes): prefetch ahead
+};
+
+// A path's kernel for one type: outputs y[m0 .. m0 + mt - 1, n .. n + cols - 1] (cols <= 8,
+// mt <= 4), each as the type's dot computes it.
+using RowsFn = void (*)(const Ctx&, int64_t n, int cols, int64_t m0, int mt);
+
+// One activation row, as a type's dot (types.def) takes it: x in fp32 (acts f32), or q in
+// int8 with d a scale per block, s = d * sum(q) per block (q8_1) and bs, 16 per block, the
+// sums of q per 16 values (q8_K16) or per 32 (q8_K32: the first 8); what a format lacks is null.
+struct ActsRow {
+    const float* x;
+    const int8_t* q;
+    const float* d;
+    const float* s;
+    const int16_t* bs;
+};
+
+inline ActsRow acts_row(const Ctx& c, int64_t m) {
+    return {c.x ? c.x + m * c.K : nullptr, c.q ? c.q + m * c.K : nullptr, c.d ? c.d + m * c.nb : nullptr,
+            c.s ? c.s + m * c.nb : nullptr, c.bs ? c.bs + m * c.nb * 16 : nullptr};
+}
+
+}  // namespace

@@ -1,0 +1,230 @@
+// The portable kernels: each type's block layout, its dequantisation and its dot product in
+// plain C++ (types.def names them). They are the definition: a SIMD path computes the same
+// integers and the same float operations in the same order, so every path gives these bits.
+// They also run wherever a path has no kernel of its own for a type.
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+#include "kernel.h"
+#include "types.h"
+
+namespace {
+
+// ---- block layouts (portable decoders; also the reference for the SIMD loaders) ----------
+
+// A 32-block's values as integers: w = d * q (Q4_0, Q5_0, Q8_0; q signed) or w = d * q + m
+// (Q4_1, Q5_1; q in 0..31). d, m: fp16 at the block's start.
+//   Q4_0 [d][qs 16]: q[j] = (qs[j] & 15) - 8, q[j + 16] = (qs[j] >> 4) - 8
+//   Q4_1 [d][m][qs 16]: the same without - 8
+//   Q5_0 [d][qh: u32][qs 16]: the nibble as Q4_0 | bit j of qh << 4, then - 16
+//   Q5_1 [d][m][qh: u32][qs 16]: the same without - 16
+//   Q8_0 [d][qs: int8 x 32]
+template <int T>
+void decode32(const uint8_t* b, int8_t* q) {
+    if constexpr (T == Q8_0) {
+        std::memcpy(q, b + 2, 32);
+    } else {
+        constexpr int off = T == Q4_0 ? 2 : T == Q4_1 ? 4 : T == Q5_0 ? 6 : 8;
+        constexpr int bias = T == Q4_0 ? 8 : T == Q5_0 ? 16 : 0;
+        const uint8_t* qs = b + off;
+        uint32_t qh = 0;
+        if constexpr (T == Q5_0) qh = rd32(b + 2);
+        if constexpr (T == Q5_1) qh = rd32(b + 4);
+        for (int j = 0; j < 16; j++) {
+            q[j] = int8_t(((qs[j] & 15) | (((qh >> j) & 1) << 4)) - bias);
+            q[j + 16] = int8_t(((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - bias);
+        }
+    }
+}
+
+// Q4_K and Q5_K: 8 sub-blocks of 32, each with a 6-bit scale and a 6-bit min packed in 12 bytes:
+// j < 4: sc = s[j] & 63, m = s[j + 4] & 63; j >= 4: sc = (s[j + 4] & 15) | (s[j - 4] >> 6) << 4,
+// m = (s[j + 4] >> 4) | (s[j] >> 6) << 4.
+inline void kscales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = uint8_t((s[j + 8] & 15) | ((s[j] >> 6) << 4));
+        mn[j + 4] = uint8_t((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
+    }
+}
+
+// A 256-block's values as unsigned integers:
+//   Q4_K [d][dmin][scales 12][qs 128]: sub-block 2c is qs[32c..32c+31] & 15, 2c+1 the high
+//        nibbles; w = d * sc_j * q - dmin * m_j
+//   Q5_K [d][dmin][scales 12][qh 32][qs 128]: as Q4_K, plus bit j of qh[l] << 4 for value l of
+//        sub-block j
+//   Q6_K [ql 128][qh 64][scales: int8 x 16][d]: value 128h + 32t + l (h < 2, t < 4, l < 32) is
+//        (ql[64h + 32(t & 1) + l] >> 4(t >> 1)) & 15 | ((qh[32h + l] >> 2t) & 3) << 4;
+//        w = d * scales[i / 16] * (q - 32)
+template <int T>
+void decode256(const uint8_t* b, uint8_t* q) {
+    if constexpr (T == Q6_K) {
+        const uint8_t *ql = b, *qh = b + 128;
+        for (int h = 0; h < 2; h++)
+            for (int t = 0; t < 4; t++)
+                for (int l = 0; l < 32; l++)
+                    q[128 * h + 32 * t + l] = uint8_t(((ql[64 * h + 32 * (t & 1) + l] >> (4 * (t >> 1))) & 15) |
+                                                      (((qh[32 * h + l] >> (2 * t)) & 3) << 4));
+    } else {
+        const uint8_t* qs = b + (T == Q5_K ? 48 : 16);
+        for (int c = 0; c < 4; c++)
+            for (int l = 0; l < 32; l++) {
+                uint8_t lo = qs[32 * c + l] & 15, hi = qs[32 * c + l] >> 4;
+                if constexpr (T == Q5_K) {
+                    lo |= ((b[16 + l] >> (2 * c)) & 1) << 4;
+                    hi |= ((b[16 + l] >> (2 * c + 1)) & 1) << 4;
+                }
+                q[64 * c + l] = lo;
+                q[64 * c + 32 + l] = hi;
+            }
+    }
+}
+
+// ---- dequantisation: one block to floats, exactly as gguf.quants.dequantize -------------
+
+template <int T>
+void dequantize16(const uint8_t* b, float* out) { out[0] = T == BF16 ? bf16(rd16(b)) : f16(rd16(b)); }
+
+template <int T>
+void dequantize32(const uint8_t* b, float* out) {
+    int8_t q[32];
+    decode32<T>(b, q);
+    const float d = f16(rd16(b));
+    if constexpr (T == Q4_1 || T == Q5_1) {
+        // d * q is exact (11 x 8 bits): one rounding, in the add, as numpy's d * q + m
+        const float m = f16(rd16(b + 2));
+        for (int i = 0; i < 32; i++) out[i] = d * float(q[i]) + m;
+    } else {
+        for (int i = 0; i < 32; i++) out[i] = d * float(q[i]);
+    }
+}
+
+template <int T>
+void dequantizek(const uint8_t* b, float* out) {
+    uint8_t q[QK];
+    decode256<T>(b, q);
+    if constexpr (T == Q6_K) {
+        const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+        const float d = f16(rd16(b + 208));
+        for (int g = 0; g < 16; g++) {
+            const float ds = opaque(d * float(sc[g]));  // exact; then one rounding, in ds * q as numpy
+            for (int l = 0; l < 16; l++) out[16 * g + l] = ds * float(int(q[16 * g + l]) - 32);
+        }
+    } else {
+        uint8_t sc[8], mn[8];
+        kscales(b + 4, sc, mn);
+        const float d = f16(rd16(b)), dmin = f16(rd16(b + 2));
+        for (int j = 0; j < 8; j++) {
+            // d * sc and dmin * m exact, (d * sc) * q exact (<= 22 bits): one rounding
+            const float ds = d * float(sc[j]), dm = dmin * float(mn[j]);
+            for (int l = 0; l < 32; l++) out[32 * j + l] = ds * float(q[32 * j + l]) - dm;
+        }
+    }
+}
+
+// ---- dot products: one weight row of nb blocks times one activation row ------------------
+
+// 32-blocks, per output: 8 float lanes, lane j taking one fused multiply-add per block (d_w * d_x
+// times the integer dot of the block's values 4j..4j+3), summed in hsum8's tree; Q4_1 and Q5_1
+// add the chain of m_w * s_x over the blocks.
+template <int T>
+float dot32(const uint8_t* w, int64_t nb, const ActsRow& a) {
+    constexpr int64_t size = block_bytes(T);
+    constexpr bool has_min = T == Q4_1 || T == Q5_1;
+    const int8_t* x = a.q;
+    const float *xd = a.d, *xs = a.s;
+    float acc[8] = {}, mins = 0.f;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* blk = w + b * size;
+        int8_t q[32];
+        decode32<T>(blk, q);
+        const int8_t* xb = x + b * 32;
+        const float scale = f16(rd16(blk)) * xd[b];
+        for (int j = 0; j < 8; j++) {
+            int32_t p = 0;
+            for (int t = 0; t < 4; t++) p += int32_t(q[4 * j + t]) * xb[4 * j + t];
+            acc[j] = madd(scale, float(p), acc[j]);
+        }
+        if constexpr (has_min) mins = madd(f16(rd16(blk + 2)), xs[b], mins);
+    }
+    float v = hsum8(acc);
+    if constexpr (has_min) v = opaque(v + mins);
+    return v;
+}
+
+// K-quants, per output: 8 float lanes, lane l taking values 4l..4l+3 of every 32 (the lanes of
+// the AVX2 integer sums); per 256-block each lane's exact integer sum, its sub-block scales
+// applied in integers (Q6_K: its -32 too), goes in with one fused multiply-add by d_w * d_x.
+// Q4_K and Q5_K add their mins in 4 more lanes (lane l: sub-blocks 2l and 2l + 1), one fused
+// multiply-add by -dmin_w * d_x per block. At the end the 8 lanes in hsum8's tree, plus the 4
+// in hsum4's. (Summing the lanes once per output, not once per block, is what lets a tile of
+// several x rows spend its time on the products.)
+inline float hsum4(const float* a) { return opaque(opaque(a[0] + a[2]) + opaque(a[1] + a[3])); }
+
+template <int T>
+float dotk(const uint8_t* w, int64_t nb, const ActsRow& a) {
+    constexpr int64_t size = block_bytes(T);
+    const int8_t* x = a.q;
+    const float* xd = a.d;
+    const int16_t* bs = a.bs;
+    float acc[8] = {}, accm[4] = {};
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* blk = w + b * size;
+        uint8_t q[QK];
+        decode256<T>(blk, q);
+        const int8_t* xb = x + b * QK;
+        const int16_t* sb = bs + b * 16;
+        int32_t lane[8] = {};
+        if constexpr (T == Q6_K) {
+            const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+            for (int i = 0; i < QK; i++) lane[(i % 32) / 4] += sc[i / 16] * int32_t(q[i]) * xb[i];
+            for (int l = 0; l < 8; l++) lane[l] += -32 * (sc[2 * l] * sb[2 * l] + sc[2 * l + 1] * sb[2 * l + 1]);
+            const float s = f16(rd16(blk + 208)) * xd[b];
+            for (int l = 0; l < 8; l++) acc[l] = madd(s, float(lane[l]), acc[l]);
+        } else {
+            uint8_t sc[8], mn[8];
+            kscales(blk + 4, sc, mn);
+            for (int i = 0; i < QK; i++) lane[(i % 32) / 4] += sc[i / 32] * int32_t(q[i]) * xb[i];
+            const float dx = xd[b];
+            const float s = f16(rd16(blk)) * dx, sm = -(f16(rd16(blk + 2)) * dx);
+            for (int l = 0; l < 8; l++) acc[l] = madd(s, float(lane[l]), acc[l]);
+            for (int l = 0; l < 4; l++) accm[l] = madd(sm, float(mn[2 * l] * sb[2 * l] + mn[2 * l + 1] * sb[2 * l + 1]), accm[l]);
+        }
+    }
+    float v = hsum8(acc);
+    if constexpr (T != Q6_K) v = opaque(v + hsum4(accm));
+    return v;
+}
+
+// F16 / BF16, per output: 16 lanes (k mod 16) of fused multiply-adds over k, then a fixed tree.
+// A block is one value, so nb is K.
+template <int T>
+float dot16(const uint8_t* wb, int64_t K, const ActsRow& a) {
+    constexpr bool BF = T == BF16;
+    const uint16_t* w = reinterpret_cast<const uint16_t*>(wb);
+    const float* x = a.x;
+    float acc[16] = {};
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16)
+        for (int l = 0; l < 16; l++) acc[l] = madd(x[k + l], BF ? bf16(w[k + l]) : f16(w[k + l]), acc[l]);
+    for (int l = 0; k + l < K; l++) acc[l] = madd(x[k + l], BF ? bf16(w[k + l]) : f16(w[k + l]), acc[l]);
+    float v[8];
+    for (int j = 0; j < 8; j++) v[j] = opaque(acc[j] + acc[j + 8]);
+    return hsum8(v);
+}
+
+// ---- the portable path ------------------------------------------------------------------
+
+// Outputs y[m0 .. m0 + mt - 1, n .. n + cols - 1] with a type's dot (types.def's `dot`).
+template <auto Dot>
+void rows_portable(const Ctx& c, int64_t n0, int cols, int64_t m0, int mt) {
+    for (int64_t n = n0; n < n0 + cols; n++)
+    for (int64_t m = m0; m < m0 + mt; m++) {
+        const float v = Dot(c.w + n * c.rb, c.nb, acts_row(c, m));
+        c.y[m * c.ldy + n] = c.bias ? v + c.bias[n] : v;
+    }
+}
+
+}  // namespace
