@@ -145,3 +145,33 @@ def cpu_stack_unavailable() -> bool:
     import gguf
 
     return not quant.supported(int(gguf.GGMLQuantizationType.Q8_0))
+
+
+def test_the_stack_runs_only_the_features_it_computes(ggufs, tmp_path):
+    """An allow-list: a family that turns the stack on but whose layers need a feature it does not
+    compute (OLMo 2's q/k norms over all heads, partial rotary, a layer class of its own) runs its
+    modules, with the module path's tokens."""
+    from nanoinfer.models import stack
+    from nanoinfer.models.llama import DecoderLayer
+
+    llm = LLM(ggufs["qwen3"], dtype="auto")
+    model = llm.loaded.model
+    assert stack.unsupported_features(model) == frozenset() and "qk_norm" in model.layer_features()
+    expected = run(llm, False)
+    model.config.qk_norm_over_heads = True  # the stack would norm each head alone: silently wrong
+    assert stack.unsupported_features(model) == {"qk_norm_over_heads"}
+    model.config.qk_norm_over_heads = False
+    model.config.rotary_dim = model.config.head_dim // 2
+    assert stack.unsupported_features(model) == {"partial_rotary"}
+    model.config.rotary_dim = None
+
+    class ScaledLayer(DecoderLayer):
+        pass
+
+    layers = model.model.layers
+    layers[1].__class__ = ScaledLayer
+    assert stack.unsupported_features(model) == {"layer:ScaledLayer"}
+    model.__dict__.pop("_decoder_stack", None)
+    assert run(llm, True) == expected  # the stack was not built: the modules ran
+    assert model.__dict__["_decoder_stack"][1] is None
+    layers[1].__class__ = DecoderLayer

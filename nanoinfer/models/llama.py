@@ -218,6 +218,35 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryTable(rope_inv_freq(config), config.max_position_embeddings)
         self.reset_rope()
 
+    def layer_features(self) -> frozenset[str]:
+        """What its layers compute, named for the compiled stack's capability check
+        (models/stack.py: the stack runs a model only if it implements every one)."""
+        c = self.config
+        f = {f"norm_{c.norm_layout}", "rms_norm"}
+        for layer in self.model.layers:
+            if type(layer) is not DecoderLayer:  # a family's own layer computes what the stack does not know
+                f.add(f"layer:{type(layer).__name__}")
+            elif layer.mlp.act != "silu":
+                f.add(f"mlp_{layer.mlp.act}")
+        f.add("mlp_silu")
+        if c.rope_layers is not None and not all(c.rope_layers):
+            f.add("nope_layers")
+        if c.rotary_dims() != c.head_dim:
+            f.add("partial_rotary")
+        if c.rope_theta_local is not None and c.rope_theta_local != c.rope_theta:
+            f.add("local_rotary_base")
+        if c.qk_norm:
+            f.add("qk_norm_over_heads" if c.qk_norm_over_heads else "qk_norm")
+        if c.attention_bias:
+            f.add("attention_bias")
+        if c.sliding_window or c.layer_windows:
+            f.add("window")
+        if c.attn_softcap:
+            f.add("attention_softcap")
+        if c.moe is not None:
+            f.add("experts")
+        return frozenset(f)
+
     def reset_rope(self) -> None:
         """Empty rotary tables on the model's device (they grow with the positions served).
         Call again after moving the model: to_empty / .to(dtype) touch buffers too."""

@@ -1,9 +1,12 @@
 """The Llama module's decoder layers handed to the compiled decoder stack
 (kernels/decoder_stack.py) when everything they hold can run there: a family whose registry
-entry says `decoder_stack` (an allow-list: pre-norm Llama layers; the builder sets
-`use_decoder_stack` from it), every projection in GGUF blocks with a kernel, an attention
-backend that declares `fused_stack` (an allow-list: the CPU paged-attention backend, whose
-kernel and metadata the stack shares), fp32 activations.
+entry says `decoder_stack` (the builder sets `use_decoder_stack` from it), layers whose
+features (LlamaForCausalLM.layer_features) are all in STACK_FEATURES (an allow-list: what
+the stack computes; a feature it does not name, such as OLMo 2's norms over all heads or a
+family's own layer class, keeps the modules, so none is computed silently wrong), every
+projection in GGUF blocks with a kernel, an attention backend that declares `fused_stack`
+(an allow-list: the CPU paged-attention backend, whose kernel and metadata the stack
+shares), fp32 activations.
 Otherwise the modules run one by one, computing the same bits.
 
 One stack per KV cache: it holds the cache's per-layer tensors."""
@@ -24,12 +27,22 @@ def _linear(module: nn.Module) -> LinearWeights | None:
     return LinearWeights([(p.qtype, getattr(module, f"part{i}")) for i, p in enumerate(module.parts)], module.bias)
 
 
+# What the compiled stack computes (kernels/csrc/decoder_stack.cpp): pre-norm RMSNorm layers,
+# rotary on the whole of each head in every layer with one base, q/k RMSNorm per head, biased
+# q/k/v, per-layer windows and attention soft-caps, the SiLU-gated MLP.
+STACK_FEATURES = frozenset({"norm_pre", "rms_norm", "mlp_silu", "qk_norm", "attention_bias", "window",
+                            "attention_softcap"})
+
+
+def unsupported_features(model: nn.Module) -> frozenset[str]:
+    """The model's layer features the compiled stack does not compute (empty: it may run them)."""
+    return model.layer_features() - STACK_FEATURES
+
+
 def _build(model: nn.Module, attention: AttentionBackend) -> DecoderStack | None:
     config = model.config
-    if config.rope_layers is not None and not all(config.rope_layers):
-        return None  # the compiled stack rotates q and k in every layer
-    if config.rotary_dims() != config.head_dim:
-        return None  # ... and the whole of each head
+    if unsupported_features(model):
+        return None
     layers = []
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
