@@ -137,7 +137,7 @@ def test_schema_suite_through_the_server(client, temperature, seed):
     def ask(item):
         name, schema = item
         return client.chat.completions.create(
-            model=model, temperature=temperature, seed=seed, max_tokens=512,
+            model=model, temperature=temperature, seed=seed, max_tokens=256,
             messages=[{"role": "user", "content": PROMPT.format(name, json.dumps(schema))}],
             response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}).choices[0]
 
