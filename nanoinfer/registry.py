@@ -15,6 +15,7 @@ add an architecture").
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,15 @@ class ConfigKey:
     gguf: str | None = None  # GGUF metadata key after "{arch}."; None: `name`
     kind: type = float  # float (finite), int (0 .. 2^31-1) or bool
     default: float | int | bool | None = None  # when a file does not state it; None: the file must
+
+    def from_hf(self, raw: dict) -> float | int | bool:
+        """Its value in a config.json."""
+        return self.read(raw.get(self.hf or self.name), self.hf or self.name)
+
+    def from_gguf(self, meta: Mapping[str, Any], arch: str) -> float | int | bool:
+        """Its value in a GGUF file's metadata, under "{arch}."."""
+        spelled = f"{arch}.{self.gguf or self.name}"
+        return self.read(meta.get(spelled), spelled)
 
     def read(self, value: Any, spelled: str) -> float | int | bool:
         """`value` as the file gives it (None: absent), `spelled` the key as the file spells it."""

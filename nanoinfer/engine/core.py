@@ -253,12 +253,13 @@ class LLMEngine:
             self._score_prompts(batch, step_rows.prompt, logits[len(samplers):])
             logits = logits[:len(samplers)]
         seconds = time.perf_counter() - t0
+        tokens = batch.total_tokens
         if self.proposer is not None and all(n == 1 + len(seq.spec.tokens) for seq, n in zip(batch.seqs, batch.num_tokens)):
-            self.step_times.observe(batch.total_tokens, seconds)  # decode rows only
-        self.scheduler.pacer.observe(batch.total_tokens, seconds)
-        self.last_step_tokens = batch.total_tokens
+            self.step_times.observe(tokens, seconds)  # decode rows only
+        self.scheduler.pacer.observe(tokens, seconds)
+        self.last_step_tokens = tokens
         self.total_steps += 1
-        self.total_step_tokens += batch.total_tokens
+        self.total_step_tokens += tokens
         self.prefill_tokens += sum(min(n, max(0, len(seq.prompt_ids) - seq.kv.num_computed))
                                    for seq, n in zip(batch.seqs, batch.num_tokens))
         self.scheduler.update_after_forward(batch)

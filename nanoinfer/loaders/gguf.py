@@ -341,9 +341,7 @@ def gguf_config(meta: Mapping[str, Any], tensor_shapes: Mapping[str, Sequence[in
 
     # the file's "{arch}." fields, and the family's own keys as its registry entry names them, for its module
     extra = {"gguf_architecture": arch, "gguf_fields": {k: v for k, v in meta.items() if k.startswith(f"{arch}.")}}
-    for key in family.config_keys:
-        spelled = f"{arch}.{key.gguf or key.name}"
-        extra[key.name] = key.read(meta.get(spelled), spelled)
+    extra.update({key.name: key.from_gguf(meta, arch) for key in family.config_keys})
     rotary_dim = None
     if (rope_dim := meta.get(f"{arch}.rope.dimension_count")) is not None:
         extra["rope_dimension_count"] = check_int(rope_dim, f"{arch}.rope.dimension_count", hi=head_dim)

@@ -125,7 +125,7 @@ def hf_config(raw: dict) -> ModelConfig:
         final_softcap=_optional_number(raw, "final_logit_softcapping"),
         moe=_moe(raw, arch, layers) if arch.experts else None,
         # the file's fields, and the family's own keys as its registry entry names them, for its module
-        extra={"hf_config": raw, **{k.name: k.read(raw.get(k.hf or k.name), k.hf or k.name) for k in arch.config_keys}},
+        extra={"hf_config": raw, **{k.name: k.from_hf(raw) for k in arch.config_keys}},
     ))
 
 
