@@ -165,6 +165,8 @@ def _add_commands(sub) -> None:
     smp.add_argument("--repeats", type=int, default=3, help="alternating runs; the median is shown (default 3)")
     smp.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     smp.add_argument("--seed", type=int, default=0, help="seed of the logits (default 0)")
+    smp.add_argument("--no-kernels", action="store_true",
+                     help="the batched sampler's PyTorch path alone, without the compiled sampling")
     smp.set_defaults(func=_sampler)
 
 

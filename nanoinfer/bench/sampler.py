@@ -1,6 +1,7 @@
 """`bench sampler`: a step's sampling at R rows, the batched sampler against the per-row
 definition it replaced (RowSampler.sample), in one run, alternating, on logits with the
-default model's vocabulary size. The rows' tokens are checked equal first."""
+default model's vocabulary size. The rows' tokens and logprobs are checked equal. The batched
+sampler runs with the compiled sampling (kernels/sampling.py) unless --no-kernels."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +10,7 @@ import time
 
 import torch
 
+from ..kernels.sampling import compiled_for
 from ..sampling import RowSampler, SampleRow, SamplingParams, sample_rows
 
 MIXES = {
@@ -28,21 +30,23 @@ def run(a: argparse.Namespace) -> int:
     logits = torch.randn(a.rows, a.vocab, generator=g) * a.spread
     print(f"bench sampler: {a.rows} rows x {a.vocab} tokens, logits N(0, {a.spread}^2), "
           f"{torch.get_num_threads()} threads, median of {a.repeats}")
-    print(f"{'mix':<12} {'per-row ms':>11} {'batched ms':>11} {'speed-up':>9}")
+    compiled = None if a.no_kernels else compiled_for(logits.device)
+    print(f"{'mix':<12} {'per-row ms':>11} {'batched ms':>11} {'speed-up':>9}"
+          + ("" if compiled else "   (PyTorch path only)"))
     for name in a.mixes.split(","):
         params = [SamplingParams(seed=i, **MIXES[name]) for i in range(a.rows)]
         per_row, batched = [], []
         for _ in range(a.repeats):
             rows = [RowSampler(p, a.vocab, [1, 2, 3]) for p in params]
             t0 = time.perf_counter()
-            expected = [r.sample(logits[i])[0] for i, r in enumerate(rows)]
+            expected = [r.sample(logits[i]) for i, r in enumerate(rows)]
             per_row.append(time.perf_counter() - t0)
             rows = [RowSampler(p, a.vocab, [1, 2, 3]) for p in params]
             t0 = time.perf_counter()
-            got = [s.token for s in sample_rows(logits, [SampleRow(r, i) for i, r in enumerate(rows)])]
+            out = sample_rows(logits, [SampleRow(r, i) for i, r in enumerate(rows)], compiled)
             batched.append(time.perf_counter() - t0)
-            if got != expected:
-                raise SystemExit(f"{name}: the batched sampler's tokens differ from the per-row definition's")
+            if [(s.token, s.logprobs) for s in out] != expected:
+                raise SystemExit(f"{name}: the batched sampler's tokens or logprobs differ from the per-row definition's")
         old, new = statistics.median(per_row), statistics.median(batched)
         print(f"{name:<12} {old * 1e3:>11.1f} {new * 1e3:>11.1f} {old / new:>8.2f}x")
     return 0

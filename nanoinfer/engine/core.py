@@ -24,6 +24,7 @@ from ..distributed.executor import TensorParallelExecutor, WorkerSetup
 from ..distributed.sharding import rank_config
 from ..errors import InvalidRequestError, NanoinferError, RequestFailedError
 from ..kernels.quant_linear import has_block_weights
+from ..kernels.sampling import compiled_for
 from ..models.builder import LoadedModel
 from ..sampling import Logprob, RowSampler, Sampled, SampleRow, SamplingParams, sample_rows
 from ..spec_decode import NgramProposer, Proposer, SpeculativeConfig, StepTimes, updated_accept_rate, worth_checking
@@ -460,7 +461,7 @@ class LLMEngine:
         rewound for that: the step's draws continue from where the failed attempt left them
         (snapshotting every generator each step, for a path that should never run, cost more)."""
         try:
-            return sample_rows(logits, jobs)
+            return sample_rows(logits, jobs, compiled_for(logits.device))
         except Exception:
             rows_of = Counter(id(j.sampler) for j in jobs)
             results = []

@@ -14,6 +14,9 @@ C++ compiler and called through ctypes.
 - `quant_linear`, `quant_dequantize_rows` (csrc/quant_gemm.cpp, the types' records and
   kernels in csrc/quant/): y = x W^T with W kept in its GGUF blocks (Q8_0 ... Q6_K, F16, BF16);
   nanoinfer/kernels/quant.py calls them.
+- `sample_draw`, `top_logprobs` (csrc/sampling.cpp): a sampled row's token in a few passes
+  over its logits, certified equal to the reference definition's or left to it, and the
+  logprobs' ranks and top tokens; nanoinfer/kernels/sampling.py calls them.
 
 They need no torch headers, so they build in about a second on first use, into
 ~/.cache/nanoinfer/kernels. Without a compiler (or with NANOINFER_CPU_KERNELS=0) the
@@ -38,7 +41,7 @@ from ..user_cache import user_cache_dir
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("paged_attention.cpp", "packed_gemm.cpp", "layer_ops.cpp", "quant_gemm.cpp",
-                                    "decoder_stack.cpp")]
+                                    "decoder_stack.cpp", "sampling.cpp")]
 # -ffast-math lets the dot products and sums vectorise; infinities stay (the softmax max starts at -inf).
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++17", "-fPIC"]
 
@@ -150,6 +153,7 @@ def library() -> ctypes.CDLL | None:
     lib.linear_packed_f32.argtypes = [p, p, p, p, i, i, i]
     lib.linear_packed_f32.restype = None
     declare_quant(lib)
+    declare_sampling(lib)
     for suffix in LAYER_OP_SUFFIXES.values():
         getattr(lib, f"rms_norm_{suffix}").argtypes = [p, p, p, p, i, i, ctypes.c_float]
         getattr(lib, f"rope_{suffix}").argtypes = [p, i, p, p, p, i, i, i]
@@ -157,6 +161,15 @@ def library() -> ctypes.CDLL | None:
         for op in ("rms_norm", "rope", "silu_mul"):
             getattr(lib, f"{op}_{suffix}").restype = None
     return lib
+
+
+def declare_sampling(lib: ctypes.CDLL) -> None:
+    """The argument types of csrc/sampling.cpp's entry points."""
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    lib.sample_draw.argtypes = [p, p, i, i, p, i]  # per-row arguments: kernels/sampling.py
+    lib.sample_draw.restype = None
+    lib.top_logprobs.argtypes = [p, i, i, p, i, p, p, p, i]
+    lib.top_logprobs.restype = None
 
 
 def declare_quant(lib: ctypes.CDLL) -> None:

@@ -16,6 +16,7 @@ whatever the batch size.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,20 @@ class SampleRow:
     argmax: int | None = None  # the row's argmax, when the engine has it already
 
 
+@dataclass(frozen=True)
+class CompiledSampling:
+    """Compiled forms of a step's two costly parts, for one device (kernels/sampling.py); each
+    answers only where it is certain to equal the PyTorch path below, and leaves the rest to it.
+
+    draw(logits, rows, uniforms): each row's token after RowSampler.process and RowSampler.draw
+    (its uniform number given), or None.
+    top_logprobs(lp, chosen, n): for rows of log-probabilities, each row's rank of `chosen` (1 +
+    the number above it) and its n largest tokens as torch.topk orders them, or None (ties)."""
+
+    draw: Callable[[torch.Tensor, list[SampleRow], list[float]], list[int | None]]
+    top_logprobs: Callable[[torch.Tensor, torch.Tensor, int], tuple[list[int], list[list[int] | None]]]
+
+
 @dataclass(slots=True)
 class Sampled:
     token: int = -1
@@ -48,8 +63,9 @@ class Sampled:
     error: Exception | None = None
 
 
-def sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sampled]:
-    """logits: [num_logits_rows, vocab] float32. One result per SampleRow, in order."""
+def sample_rows(logits: torch.Tensor, rows: list[SampleRow], compiled: CompiledSampling | None = None) -> list[Sampled]:
+    """logits: [num_logits_rows, vocab] float32. One result per SampleRow, in order. `compiled`:
+    compiled forms for the logits' device, tried first."""
     out = [Sampled() for _ in rows]
     processed: list[int] = []
     for i, r in enumerate(rows):
@@ -59,10 +75,17 @@ def sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sampled]:
             processed.append(i)
     draws = [i for i in processed if not rows[i].sampler.params.greedy]
     uniforms = draw_uniforms(rows, draws, out)
+    if compiled is not None and draws:
+        tokens = compiled.draw(logits, [rows[i] for i in draws], [float(uniforms[i]) for i in draws])
+        for i, t in zip(draws, tokens):
+            if t is not None:
+                out[i].token = t
+        decided = {i for i, t in zip(draws, tokens) if t is not None}
+        processed = [i for i in processed if i not in decided]
     step = chunk_rows(logits.shape[-1])
     for start in range(0, len(processed), step):
         _sample_chunk(logits, rows, processed[start:start + step], uniforms, out)
-    _fill_logprobs(logits, rows, out)
+    _fill_logprobs(logits, rows, out, compiled)
     return out
 
 
@@ -188,11 +211,11 @@ def _draw(x: torch.Tensor, rows: list[SampleRow], idx: list[int],
             out[idx[m]].error = ValueError("every token is excluded (min_tokens bans all that remain)")
         else:
             ok.append(m)
+    if not ok:
+        return
     if len(ok) < len(rows):
         x, top, rows, idx = take(x, ok), take(top, ok), [rows[m] for m in ok], [idx[m] for m in ok]
         tops = [tops[m] for m in ok]
-        if not rows:
-            return
     temperature = per_row(x, [r.sampler.params.temperature for r in rows])
     # A vanishing repetition penalty sends tokens to +inf: those share the mass.
     infinite = [m for m, t in enumerate(tops) if t == float("inf")]
@@ -262,27 +285,41 @@ def _draw_nucleus(probs: torch.Tensor, rows: list[SampleRow], idx: list[int], u:
         k *= 8
 
 
-def _fill_logprobs(logits: torch.Tensor, rows: list[SampleRow], out: list[Sampled]) -> None:
+def _fill_logprobs(logits: torch.Tensor, rows: list[SampleRow], out: list[Sampled],
+                   compiled: CompiledSampling | None = None) -> None:
     """The model's own distribution (RowSampler.logprobs), for the rows that ask: rows grouped
-    by how many top entries they want, so a row's top-n is topk(n) as alone."""
+    by how many top entries they want, so a row's top-n is topk(n) as alone, and taken a few
+    at a time, so each row's log-softmax stays in cache for the passes over it (with the
+    compiled ranks one pass: four rows per thread then cost least, against one per thread)."""
     wanting = [i for i, r in enumerate(rows) if r.sampler.params.logprobs is not None and out[i].error is None]
     if not wanting:
         return
     by_n: dict[int, list[int]] = {}
     for i in wanting:
         by_n.setdefault(rows[i].sampler.params.logprobs or 0, []).append(i)
+    step = chunk_rows(logits.shape[-1]) * (4 if compiled is not None else 1)
     for n, group in by_n.items():
-        lp = torch.log_softmax(take(logits, [rows[i].row for i in group]), -1)
-        tokens = torch.tensor([out[i].token for i in group], device=logits.device)[:, None]
-        chosen = lp.gather(1, tokens)
-        ranks = ((lp > chosen).sum(-1) + 1).tolist()
-        chosen = chosen[:, 0].tolist()
-        top = torch.topk(lp, n) if n else None
-        values, indices = (top.values.tolist(), top.indices.tolist()) if top is not None else ([], [])
-        for j, i in enumerate(group):
-            entry: dict[int, Logprob] = {}
-            if top is not None:
-                for rank, (v, t) in enumerate(zip(values[j], indices[j]), 1):
-                    entry[t] = Logprob(v, rank)
-            entry.setdefault(out[i].token, Logprob(chosen[j], ranks[j]))
-            out[i].logprobs = entry
+        for start in range(0, len(group), step):
+            _logprobs_chunk(logits, rows, group[start:start + step], n, out, compiled)
+
+
+def _logprobs_chunk(logits: torch.Tensor, rows: list[SampleRow], group: list[int], n: int, out: list[Sampled],
+                    compiled: CompiledSampling | None) -> None:
+    lp = torch.log_softmax(take(logits, [rows[i].row for i in group], view=True), -1)
+    tokens = torch.tensor([out[i].token for i in group], device=logits.device)[:, None]
+    chosen = lp.gather(1, tokens)
+    if compiled is not None:
+        ranks, tops = compiled.top_logprobs(lp, chosen[:, 0], n)
+    else:
+        ranks, tops = ((lp > chosen).sum(-1) + 1).tolist(), [None] * len(group)
+    if n and any(t is None for t in tops):
+        top = torch.topk(lp, n).indices.tolist()
+        tops = [t if t is not None else top[j] for j, t in enumerate(tops)]
+    chosen = chosen[:, 0].tolist()
+    values = lp.gather(1, torch.tensor(tops, device=lp.device)).tolist() if n else [[] for _ in group]
+    for j, i in enumerate(group):
+        entry: dict[int, Logprob] = {}
+        for rank, (v, t) in enumerate(zip(values[j], tops[j] or []), 1):
+            entry[t] = Logprob(v, rank)
+        entry.setdefault(out[i].token, Logprob(chosen[j], ranks[j]))
+        out[i].logprobs = entry

@@ -51,7 +51,12 @@ class RowSampler:
         """Greedy with nothing that changes the logits first (once `ahead` more tokens are
         sampled): the row's token is its argmax, which the engine takes for all such rows in
         one reduction."""
-        return self.params.greedy and not self.params.changes_logits and not (
+        return self.params.greedy and self.keeps_logits_after(ahead)
+
+    def keeps_logits_after(self, ahead: int = 0) -> bool:
+        """process() leaves the logits as they are (once `ahead` more tokens are sampled): no
+        penalties, no logit bias, no min_tokens ban in force."""
+        return not self.params.changes_logits and not (
             self.num_generated + ahead < self.params.min_tokens and self.banned_until_min_tokens)
 
     def commit(self, token: int, generator_state: torch.Tensor | None = None) -> None:
