@@ -4,9 +4,11 @@ Each row's result equals `RowSampler.sample` on that row alone, bit for bit on t
 same operations run in the same order and precision; only the batching differs, and every
 operation involved (argmax, max, softmax, log_softmax, topk, cumsum, searchsorted along the
 vocabulary; elementwise arithmetic with a row's own parameters) computes each row by itself.
-So a row's token cannot depend on what is sampled beside it. What batching removes is the
-per-row cost of dispatching a dozen operations over the vocabulary: at 256 sampled rows that
-was most of the step (docs/benchmarks.md, "Sampling").
+So a row's token cannot depend on what is sampled beside it. Batching removes the per-row
+cost of dispatching a dozen operations over the vocabulary (what a GPU needs); on a CPU those
+float64 passes themselves are the cost, and a device's CompiledSampling (the CPU's:
+kernels/sampling.py) takes each row first, answering only where it is certain to equal this
+path (docs/benchmarks.md, "Sampling").
 
 What stays per row is cheap: the uniform number a row draws from its own generator (a seeded
 request repeats whatever runs beside it), and a few logit-bias and min_tokens entries.
@@ -289,8 +291,8 @@ def _fill_logprobs(logits: torch.Tensor, rows: list[SampleRow], out: list[Sample
                    compiled: CompiledSampling | None = None) -> None:
     """The model's own distribution (RowSampler.logprobs), for the rows that ask: rows grouped
     by how many top entries they want, so a row's top-n is topk(n) as alone, and taken a few
-    at a time, so each row's log-softmax stays in cache for the passes over it (with the
-    compiled ranks one pass: four rows per thread then cost least, against one per thread)."""
+    at a time, so each row's log-softmax stays in cache for the passes over it: one row per
+    thread, or four with the compiled ranks (one pass, not three; four cost least there)."""
     wanting = [i for i, r in enumerate(rows) if r.sampler.params.logprobs is not None and out[i].error is None]
     if not wanting:
         return
