@@ -71,7 +71,8 @@ def add_model_args(p: argparse.ArgumentParser, *, dtype: str | None = "auto", dt
     add_model_arg(p)
     if threads:
         p.add_argument("--threads", type=positive_int, default=None,
-                       help="CPU threads for the model (default: torch's choice, one per core)")
+                       help="CPU threads for the model, shared equally by replicas or tensor-parallel "
+                            "ranks (default: the physical cores)")
     p.add_argument("--dtype", default=dtype,
                    help=f"auto (a GGUF as stored, on the block-format kernels) | float32 | bfloat16 | float16 "
                         f"(default {dtype or dtype_rule})")
@@ -186,9 +187,9 @@ def run_command(a: argparse.Namespace) -> int:
     """Run the parsed command (`a.func`). An error is one line `error: ...` and status 1;
     a closed pipe (`| head`) is a normal end."""
     try:
-        if getattr(a, "threads", None):
-            import torch
-            torch.set_num_threads(a.threads)
+        if hasattr(a, "threads"):
+            from . import threads
+            threads.use(a.threads)
         return a.func(a) or 0
     except NanoinferError as e:
         print(f"error: {e}", file=sys.stderr)

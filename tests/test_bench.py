@@ -179,6 +179,35 @@ def test_probe_runs_and_is_cached(tmp_path, monkeypatch):
     assert both.source == "override" and len(calls) == 6
 
 
+def test_block_models_peak_is_the_8_bit_dot(tmp_path, monkeypatch):
+    """A model on GGUF blocks is measured against the 8-bit dot probe, cached apart from the
+    matmul peak; where this CPU's path has no probe, the matmul's peak stands in."""
+    from nanoinfer.kernels import quant
+
+    monkeypatch.setenv("NANOINFER_CACHE_DIR", str(tmp_path))
+    cpu = torch.device("cpu")
+    if quant.paths() and quant.paths()[-1] != "portable":
+        quant.set_path("portable")
+        try:
+            assert quant.dot_peak(0.01) == 0.0  # no probe for plain C++
+        finally:
+            quant.set_path(None)
+        assert quant.dot_peak(0.05) > 1e9  # a real probe: billions of 8-bit products a second
+    calls = []
+    monkeypatch.setattr(peaks_mod, "measure_bandwidth", lambda d: calls.append("bw") or 2e10)
+    monkeypatch.setattr(peaks_mod, "measure_flops", lambda d, dt: calls.append("flops") or 3e11)
+    monkeypatch.setattr(peaks_mod, "measure_dot_peak", lambda: calls.append("dot") or 9e11)
+    block = peaks_mod.resolve_peaks(cpu, torch.float32, block=True)
+    assert (block.flops, block.compute) == (9e11, "8-bit dot")
+    plain = peaks_mod.resolve_peaks(cpu, torch.float32)
+    assert (plain.flops, plain.compute) == (3e11, "matmul")
+    assert sorted(json.loads((tmp_path / "peaks.json").read_text())) == sorted(
+        [peaks_mod.cache_key(cpu, torch.float32, block=True), peaks_mod.cache_key(cpu, torch.float32)])
+    monkeypatch.setattr(peaks_mod, "measure_dot_peak", lambda: 0.0)
+    monkeypatch.setenv("NANOINFER_CACHE_DIR", str(tmp_path / "other"))
+    assert peaks_mod.resolve_peaks(cpu, torch.float32, block=True).compute == "matmul"
+
+
 # --- the commands end to end ----------------------------------------------------------
 PEAKS = ["--peak-flops", "1e11", "--peak-bandwidth", "1e10"]
 

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import threads
 from ..errors import NanoinferError
-from ..kernels.quant_linear import parameter_count
+from ..kernels.quant_linear import has_block_weights, parameter_count
 from ..models.builder import LoadedModel
 from .peaks import Peaks, cpu_model, device_name, peaks_dict, resolve_peaks
 from .roofline import Roofline
@@ -65,7 +66,7 @@ def setup(args: argparse.Namespace, need_peaks: bool = True) -> BenchEnv:
     if args.threads is not None:
         if args.threads < 1:
             raise NanoinferError("--threads must be >= 1")
-        torch.set_num_threads(args.threads)
+        threads.use(args.threads)
     device = resolve_device(args.device)
     dtype = args.dtype or default_dtype(device)
     if dtype not in DTYPES:
@@ -79,7 +80,7 @@ def setup(args: argparse.Namespace, need_peaks: bool = True) -> BenchEnv:
     progress_done()
     if need_peaks:
         peaks = resolve_peaks(device, DTYPES[dtype] or torch.float32, peak_flops, peak_bandwidth,
-                              getattr(args, "remeasure_peaks", False))
+                              getattr(args, "remeasure_peaks", False), block=has_block_weights(loaded.model))
     else:
         peaks = Peaks(0.0, 0.0, "unused", device_name(device))
     return BenchEnv(args, device, dtype, loaded, peaks, Roofline.for_model(loaded.model, loaded.config))

@@ -66,7 +66,8 @@ def print_card(env: BenchEnv, card: dict) -> None:
     cb = card["compute_bound_batch"]
     print(f"model      {env.loaded.path.name} ({env.loaded.format}, {env.loaded.config.architecture}), "
           f"{env.dtype} on {env.device}, {torch.get_num_threads()} threads")
-    print(f"peaks      {fmt_si(p.flops, 'FLOP/s')}, {fmt_si(p.bandwidth, 'B/s')} ({p.source}: {p.device_name})")
+    print(f"peaks      {fmt_si(p.flops, 'FLOP/s')} ({p.compute}), {fmt_si(p.bandwidth, 'B/s')} "
+          f"({p.source}: {p.device_name})")
     print(f"weights    {fmt_bytes(card['weight_bytes'])} as served ({tied})")
     print(f"KV cache   {fmt_bytes(card['kv_bytes_per_token'])}/token; a decode step at context {card['context']} "
           f"reads {fmt_bytes(card['kv_bytes_read_per_seq'])}/sequence")

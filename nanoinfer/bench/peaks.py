@@ -3,7 +3,10 @@
 GPUs: a table of vendor figures (dense, no sparsity), matched on the device name.
 CPUs (and GPUs not in the table): a short measured probe, cached per machine, since a
 CPU's useful peak depends on its cores, vector units and the threads torch uses, which
-no table knows. `--peak-flops` / `--peak-bandwidth` override either figure.
+no table knows. A model on GGUF blocks computes in 8-bit integer dot products, not fp32
+multiply-adds: its peak is the block kernels' 8-bit dot probe (kernels/quant.py: dot_peak),
+so its MFU is measured against what that path can do. `--peak-flops` / `--peak-bandwidth`
+override either figure.
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ class Peaks:
     bandwidth: float  # bytes/s
     source: str  # "table" | "measured" | "cached" | "override", or "a / b" when the two differ
     device_name: str
+    compute: str = "matmul"  # what flops measures: "matmul" (the dtype's) or "8-bit dot" (block formats)
 
 
 def cpu_model() -> str:
@@ -112,9 +116,17 @@ def cache_path() -> Path:
     return user_cache_dir() / "peaks.json"
 
 
-def cache_key(device: torch.device, dtype: torch.dtype) -> str:
+def cache_key(device: torch.device, dtype: torch.dtype, block: bool = False) -> str:
     threads = torch.get_num_threads() if device.type == "cpu" else 0
-    return f"{device.type}|{device_name(device)}|threads={threads}|{str(dtype).removeprefix('torch.')}"
+    kind = "int8-dot" if block else str(dtype).removeprefix('torch.')
+    return f"{device.type}|{device_name(device)}|threads={threads}|{kind}"
+
+
+def measure_dot_peak() -> float:
+    """The block kernels' 8-bit dot peak on the threads torch uses (0.0: no probe on this path)."""
+    from ..kernels import quant
+
+    return quant.dot_peak()
 
 
 def _read_cache(path: Path) -> dict:
@@ -125,15 +137,17 @@ def _read_cache(path: Path) -> dict:
         return {}
 
 
-def measured_peaks(device: torch.device, dtype: torch.dtype, remeasure: bool = False) -> tuple[float, float, str]:
-    """(flops, bandwidth, "cached" | "measured"), probing at most once per machine/threads/dtype."""
-    path, key = cache_path(), cache_key(device, dtype)
+def measured_peaks(device: torch.device, dtype: torch.dtype, remeasure: bool = False,
+                   block: bool = False) -> tuple[float, float, str]:
+    """(flops, bandwidth, "cached" | "measured"), probing at most once per machine/threads/dtype
+    (block: the 8-bit dot peak in place of the dtype's matmul)."""
+    path, key = cache_path(), cache_key(device, dtype, block)
     cache = _read_cache(path)
     hit = cache.get(key)
     if hit and not remeasure and hit.get("flops", 0) > 0 and hit.get("bandwidth", 0) > 0:
         return hit["flops"], hit["bandwidth"], "cached"
     bandwidth = measure_bandwidth(device)
-    flops = measure_flops(device, dtype)
+    flops = measure_dot_peak() if block else measure_flops(device, dtype)
     cache[key] = {"flops": flops, "bandwidth": bandwidth, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -146,21 +160,25 @@ def measured_peaks(device: torch.device, dtype: torch.dtype, remeasure: bool = F
 
 
 def resolve_peaks(device: torch.device, dtype: torch.dtype, peak_flops: float | None = None,
-                  peak_bandwidth: float | None = None, remeasure: bool = False) -> Peaks:
+                  peak_bandwidth: float | None = None, remeasure: bool = False, block: bool = False) -> Peaks:
+    """block: the model runs on GGUF blocks on the CPU (its compute peak is the 8-bit dot's,
+    where this CPU has a probe for its path)."""
     name = device_name(device)
+    block = block and device.type == "cpu" and measured_peaks(device, dtype, remeasure, block=True)[0] > 0
+    compute = "8-bit dot" if block else "matmul"
     if peak_flops is not None and peak_bandwidth is not None:
-        return Peaks(peak_flops, peak_bandwidth, "override", name)
+        return Peaks(peak_flops, peak_bandwidth, "override", name, compute)
     found = table_peaks(name, dtype) if device.type == "cuda" else None
     if found:
         flops, bandwidth, label = found
         source, name = "table", f"{name} ({label})"
     else:
-        flops, bandwidth, source = measured_peaks(device, dtype, remeasure)
+        flops, bandwidth, source = measured_peaks(device, dtype, remeasure and not block, block=block)
     sources = ["override" if peak_flops is not None else source,
                "override" if peak_bandwidth is not None else source]
     return Peaks(peak_flops if peak_flops is not None else flops,
                  peak_bandwidth if peak_bandwidth is not None else bandwidth,
-                 sources[0] if sources[0] == sources[1] else " / ".join(sources), name)
+                 sources[0] if sources[0] == sources[1] else " / ".join(sources), name, compute)
 
 
 def peaks_dict(p: Peaks) -> dict:

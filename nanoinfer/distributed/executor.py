@@ -16,6 +16,7 @@ every rank but 0 becomes a worker in `nanoinfer.cli.main`); then the group is to
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -25,11 +26,14 @@ from typing import Any
 
 import torch
 
+from .. import threads
 from ..attention import AttentionBackend, PagedKVCache, layer_params
 from ..models.batch import ForwardBatch
 from ..models.builder import load_model
 from . import parallel
 from .sharding import rank_config, shard_model
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -61,10 +65,15 @@ class TensorParallelExecutor:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        # each rank an equal share of this process's threads (--threads, else the physical cores)
+        per_rank = threads.share(torch.get_num_threads(), world) if device == "cpu" else 0
+        if per_rank:
+            threads.use(per_rank)
+            log.info("tensor parallel: %d ranks x %d CPU thread%s", world, per_rank, "s" * (per_rank > 1))
         # fresh interpreters (not forks of this one, with its threads; and not multiprocessing's
         # spawn, which re-imports the caller's main module)
         self.procs = [subprocess.Popen([sys.executable, "-m", "nanoinfer.distributed.worker", str(rank), str(world),
-                                        init_method, device]) for rank in range(1, world)]
+                                        init_method, device, str(per_rank)]) for rank in range(1, world)]
         parallel.init(0, world, init_method, device)
 
     def setup(self, setup: WorkerSetup) -> None:
@@ -91,7 +100,7 @@ def _fields(forward: ForwardBatch) -> tuple:
     return forward.input_ids, forward.positions, forward.attn_metadata, forward.logits_indices, forward.prev_ids
 
 
-def worker_main(rank: int, world: int, init_method: str, device: str = "cpu") -> None:
+def worker_main(rank: int, world: int, init_method: str, device: str = "cpu", cpu_threads: int = 0) -> None:
     """A worker rank: join the group, build its share from rank 0's setup, then run every step
     rank 0 broadcasts until told to stop."""
     import ctypes
@@ -99,7 +108,7 @@ def worker_main(rank: int, world: int, init_method: str, device: str = "cpu") ->
 
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: never outlive the engine's process
     if device == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or world) // world))
+        threads.use(cpu_threads or threads.share(None, world))
     parallel.init(rank, world, init_method, device)
     serve_steps(rank, world, device)
 

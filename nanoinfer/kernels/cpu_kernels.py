@@ -183,6 +183,8 @@ def declare_quant(lib: ctypes.CDLL) -> None:
     lib.quant_linear.restype = ctypes.c_int
     lib.quant_dequantize_rows.argtypes = [ctypes.c_int, p, i, i, p, i, p]
     lib.quant_dequantize_rows.restype = ctypes.c_int
+    lib.quant_dot_peak.argtypes = [ctypes.c_int, i]
+    lib.quant_dot_peak.restype = ctypes.c_int64
 
 
 def decode_supported(cache: torch.Tensor) -> bool:

@@ -22,6 +22,7 @@ import ctypes
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,6 +127,27 @@ def set_path(name: str | None) -> None:
     if name is not None and name not in paths():
         raise ValueError(f"path {name!r} is not available on this CPU (available: {paths()})")
     _path = _PATH_CODES[name] if name else _path_from_env()
+
+
+def dot_peak(budget_s: float = 0.3) -> float:
+    """The 8-bit dot peak (integer ops/s, 2 per u8 x s8 product) of the current path on the
+    threads torch uses: the best of repeated probes (csrc/quant_gemm.cpp: quant_dot_peak), the
+    least disturbed by other work. 0.0 without the compiled library."""
+    lib = cpu_kernels.library()
+    if lib is None:
+        return 0.0
+    reps, best, start = 1 << 14, 0.0, time.perf_counter()
+    while time.perf_counter() - start < budget_s:
+        t0 = time.perf_counter()
+        ops = lib.quant_dot_peak(_path, reps)
+        elapsed = time.perf_counter() - t0
+        if ops < 0:
+            return 0.0
+        if elapsed < 0.02:  # too short to time: more rounds
+            reps *= 4
+            continue
+        best = max(best, ops / elapsed)
+    return best
 
 
 def current_path() -> int:

@@ -12,6 +12,7 @@ import signal
 import sys
 from pathlib import Path
 
+from .. import threads
 from ..cli_args import (
     add_engine_args,
     add_model_args,
@@ -139,7 +140,8 @@ def _serve_replicas(a: argparse.Namespace) -> int:
                   shutdown_timeout=a.shutdown_timeout, header_timeout=a.header_timeout,
                   client_read_timeout=a.client_read_timeout)
     settings = ReplicaSettings(a.model and str(Path(a.model).resolve()), a.dtype, a.max_model_len, engine_kwargs(a),
-                               server, a.replicas, a.speculative_config, access_policy(a))
+                               server, a.replicas, a.speculative_config, access_policy(a),
+                               threads=threads.share(a.threads, a.replicas))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     serve_replicas(settings, a.host, a.port, a.ray_address, a.routing)
     return 0

@@ -61,6 +61,7 @@ class ReplicaSettings:
     speculative_config: dict | None = None
     access: AccessPolicy = field(default_factory=AccessPolicy)  # checked by the router, before any replica
     routes: tuple[Route, ...] = ROUTES  # what every replica serves, and what the router routes by
+    threads: int = 1  # CPU threads of each replica: an equal share of --threads (threads.share)
 
 
 # --- one replica ----------------------------------------------------------------------------
@@ -68,14 +69,14 @@ class EngineReplica:
     """The single server's app on its own engine, called request by request."""
 
     def __init__(self, settings: ReplicaSettings, index: int):
-        import torch
-
+        from .. import threads
         from ..llm import LLM
         from .app import create_app
         from .serving import ServerConfig
 
         self.index = index
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // settings.replicas))
+        threads.use(settings.threads)
+        logger.info("replica %d: %d CPU thread%s", index, settings.threads, "s" * (settings.threads > 1))
         # the engine's own pool rule, on this replica's share of the machine rather than all of it
         engine = {**settings.engine, "kv_memory_share": 1 / settings.replicas}
         self.llm = LLM(settings.model, dtype=settings.dtype, max_model_len=settings.max_model_len,

@@ -270,6 +270,22 @@ extern "C" int quant_linear(const LinearArgs* a) {
     return rc;
 }
 
+// The 8-bit dot peak probe (quant/x86_*.h): `reps` rounds on every thread of a team on `path`
+// (0: the best), the caller timing the call. Returns the integer operations done, 2 per
+// u8 x s8 product, or -1 where there is no probe (the portable path: what the compiler makes
+// of plain C++ is no machine peak).
+extern "C" int64_t quant_dot_peak(int path, int64_t reps) {
+    if (path == PATH_BEST) path = have_avx512() ? PATH_AVX512 : have_avx2() ? PATH_AVX2 : PATH_PORTABLE;
+    if ((path == PATH_AVX512 && !have_avx512()) || (path == PATH_AVX2 && !have_avx2()) || path == PATH_PORTABLE)
+        return -1;
+    int64_t ops = 0;
+#if defined(QG_X86)
+#pragma omp parallel reduction(+ : ops)
+    ops += path == PATH_AVX512 ? dot_peak_avx512(reps) : dot_peak_avx2(reps);
+#endif
+    return ops;
+}
+
 // Type records, as this library was built with them: (GGML id, values per block, bytes per
 // block) for each, up to `cap` records into out; returns how many there are (tests compare
 // them with Python's reading of quant/types.def).

@@ -348,6 +348,27 @@ QG_AVX2 void rows_avx2(const Ctx& c, int64_t n, int cols, int64_t m0, int mt) {
     for (int j = 0; j < cols; j++) tiles_avx2<T, true>(c, n + j, m0, mt);
 }
 
+// The 8-bit dot peak of one thread on this path (the roofline's denominator for block
+// formats): `reps` rounds of 8 independent u8 x s8 multiply-add chains, as the kernels issue
+// them (maddubs, madd to int32, add). Returns the integer operations done, 2 per product.
+QG_AVX2 __attribute__((noinline)) int64_t dot_peak_avx2(int64_t reps) {
+    __m256i a = _mm256_set1_epi8(1), acc[8], b[8];
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int j = 0; j < 8; j++) {
+        acc[j] = _mm256_setzero_si256();
+        b[j] = _mm256_set1_epi8(char(j + 1));
+    }
+    for (int64_t r = 0; r < reps; r++) {
+        asm("" : "+x"(a));  // a new operand each round: nothing is hoisted out of the loop
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(_mm256_maddubs_epi16(a, b[j]), ones));
+    }
+    __m256i s = acc[0];
+    for (int j = 1; j < 8; j++) s = _mm256_add_epi32(s, acc[j]);
+    volatile int32_t sink = _mm256_extract_epi32(s, 0);
+    (void)sink;
+    return reps * 8 * 32 * 2;
+}
+
 // The types this path has kernels for; on this path any other type runs its portable dot.
 constexpr bool avx2_has(int t) {
     return t == F16 || t == BF16 || t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q5_1 || t == Q8_0 || t == Q4_K ||
