@@ -251,3 +251,16 @@ def test_rows_the_compiled_draw_cannot_certify_go_to_the_reference(compiled):
     lp = torch.log_softmax(logits[4:5], -1)
     ranks, tops = compiled.top_logprobs(lp, lp[:, 0], 2)
     assert ranks == [1] and tops == [None]  # the tied favourites' order is torch.topk's
+
+
+def test_logits_the_kernel_does_not_take_go_to_the_reference(compiled):
+    """bfloat16 logits (not the engine's, but a caller's): the compiled sampling answers nothing
+    and the PyTorch path gives its tokens and logprobs."""
+    if compiled is None:
+        pytest.skip("the compiled draw's own test")
+    logits = logits_rows(4, 9).to(torch.bfloat16)
+    mixes = [{"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9, "logprobs": 2}, {"temperature": 0.8, "top_k": 5},
+             {"temperature": 0.0, "logprobs": 1}]
+    got = sample_rows(logits, [SampleRow(make_sampler(m, i), i) for i, m in enumerate(mixes)], compiled)
+    want = sample_rows(logits, [SampleRow(make_sampler(m, i), i) for i, m in enumerate(mixes)])
+    assert [(a.token, a.logprobs) for a in got] == [(b.token, b.logprobs) for b in want]

@@ -33,7 +33,7 @@ def draw(logits: torch.Tensor, rows: list[SampleRow], uniforms: list[float]) -> 
     if not rows:
         return []
     if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.float64) or logits.dim() != 2:
-        raise ValueError("sampling.draw takes 2-D float32/float64 CPU logits")
+        return [None] * len(rows)  # not this kernel's: the PyTorch path draws them all
     logits = logits.contiguous()
     vocab = logits.shape[1]
     base, row_bytes = logits.data_ptr(), vocab * logits.element_size()
@@ -69,6 +69,8 @@ def draw(logits: torch.Tensor, rows: list[SampleRow], uniforms: list[float]) -> 
 def top_logprobs(lp: torch.Tensor, chosen: torch.Tensor, n: int) -> tuple[list[int], list[list[int] | None]]:
     """For rows of log-probabilities lp [G, V] (float32, CPU): each row's rank of chosen[g] and
     its n largest tokens in torch.topk's order, or None where ties leave that order to torch."""
+    if lp.device.type != "cpu" or lp.dtype != torch.float32 or lp.dim() != 2:  # not this kernel's
+        return ((lp > chosen[:, None]).sum(-1) + 1).tolist(), [None] * len(lp)
     lp, chosen = lp.contiguous(), chosen.to(torch.float32).contiguous()
     groups, vocab = lp.shape
     ranks = torch.empty(groups, dtype=torch.int64)
