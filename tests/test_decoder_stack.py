@@ -1,6 +1,7 @@
 """The compiled decoder stack (kernels/decoder_stack.py) against the layer modules it stands in
 for: the same tokens and the same logprob bits, for every Llama-family feature it carries
-(q/k/v bias, q/k norms, a sliding window, grouped-query attention, tied heads), in batches
+(q/k/v bias, q/k norms, a sliding window, grouped-query attention, tied heads, SmolLM3's NoPE
+layers, Phi-3's fused checkpoints and LongRoPE), in batches
 with chunked prefill, on each dispatch path."""
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from nanoinfer.kernels import quant
 from gguf_export import write_gguf_from_hf
 
 # kind, tied head, weight type: together every branch of the stack
-CASES = [("llama", False, "Q4_1"), ("qwen2", True, "Q8_0"), ("qwen3", False, "Q5_0"), ("mistral", False, "Q4_0")]
+CASES = [("llama", False, "Q4_1"), ("qwen2", True, "Q8_0"), ("qwen3", False, "Q5_0"), ("mistral", False, "Q4_0"),
+         ("smollm3", False, "Q8_0"), ("phi3", False, "Q4_0"), ("phi3_longrope", False, "Q8_0")]
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +151,7 @@ def cpu_stack_unavailable() -> bool:
 
 def test_the_stack_runs_only_the_features_it_computes(ggufs, tmp_path):
     """An allow-list: a family that turns the stack on but whose layers need a feature it does not
-    compute (OLMo 2's q/k norms over all heads, partial rotary, a layer class of its own) runs its
+    compute (OLMo 2's q/k norms over all heads, a local rotary base, a layer class of its own) runs its
     modules, with the module path's tokens."""
     from nanoinfer.models import stack
     from nanoinfer.models.llama import DecoderLayer
@@ -161,9 +163,9 @@ def test_the_stack_runs_only_the_features_it_computes(ggufs, tmp_path):
     model.config.qk_norm_over_heads = True  # the stack would norm each head alone: silently wrong
     assert stack.unsupported_features(model) == {"qk_norm_over_heads"}
     model.config.qk_norm_over_heads = False
-    model.config.rotary_dim = model.config.head_dim // 2
-    assert stack.unsupported_features(model) == {"partial_rotary"}
-    model.config.rotary_dim = None
+    model.config.rope_theta_local = model.config.rope_theta * 10  # Gemma's local layers' own base
+    assert stack.unsupported_features(model) == {"local_rotary_base"}
+    model.config.rope_theta_local = None
 
     class ScaledLayer(DecoderLayer):
         pass

@@ -30,12 +30,13 @@ class _Linear(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("in_norm", _p), ("post_norm", _p), ("q_norm", _p), ("k_norm", _p), ("qkv", _Linear), ("o", _Linear),
                 ("gate_up", _Linear), ("down", _Linear), ("k_cache", _p), ("v_cache", _p), ("window", _i),
-                ("scale", _f), ("softcap", _f)]
+                ("scale", _f), ("softcap", _f), ("rope", _i)]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [("num_layers", _i), ("hidden", _i), ("H", _i), ("Hkv", _i), ("D", _i), ("inter", _i),
-                ("block_size", _i), ("bf16_kv", _i), ("layers", ctypes.POINTER(_Layer)), ("eps", _f)]
+                ("block_size", _i), ("bf16_kv", _i), ("layers", ctypes.POINTER(_Layer)), ("eps", _f),
+                ("rotary_dims", _i)]
 
 
 class _Step(ctypes.Structure):
@@ -64,6 +65,7 @@ class LayerWeights:
     softcap: float | None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    rope: bool = True  # False: a NoPE layer (q and k unrotated)
 
 
 def supported(layers: list[LayerWeights]) -> bool:
@@ -96,9 +98,10 @@ class DecoderStack:
     """The layers' weights and caches, fixed at construction (the tensors must outlive it)."""
 
     def __init__(self, layers: list[LayerWeights], hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 intermediate: int, eps: float):
+                 intermediate: int, eps: float, rotary_dims: int | None = None):
         self.layers = layers  # keeps every tensor alive
         self.hidden, self.head_dim = hidden, head_dim
+        self.rotary_dims = rotary_dims or head_dim  # rotary on each head's first rotary_dims values
         table = (_Layer * len(layers))()
         for i, lw in enumerate(layers):
             table[i] = _Layer(
@@ -106,16 +109,17 @@ class DecoderStack:
                 lw.q_norm.data_ptr() if lw.q_norm is not None else None,
                 lw.k_norm.data_ptr() if lw.k_norm is not None else None,
                 _linear(lw.qkv), _linear(lw.o), _linear(lw.gate_up), _linear(lw.down),
-                lw.k_cache.data_ptr(), lw.v_cache.data_ptr(), lw.window or 0, lw.scale, lw.softcap or 0.0)
+                lw.k_cache.data_ptr(), lw.v_cache.data_ptr(), lw.window or 0, lw.scale, lw.softcap or 0.0,
+                int(lw.rope))
         self._table = table
         self._model = _Model(len(layers), hidden, num_heads, num_kv_heads, head_dim, intermediate,
                              layers[0].k_cache.shape[1], int(layers[0].k_cache.dtype == torch.bfloat16),
-                             ctypes.cast(table, ctypes.POINTER(_Layer)), eps)
+                             ctypes.cast(table, ctypes.POINTER(_Layer)), eps, self.rotary_dims)
         self._model_ref = ctypes.byref(self._model)
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
             tables: torch.Tensor, ctx: torch.Tensor, max_ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: the embeddings [T, hidden] fp32; cos, sin [T, 1, head_dim / 2] fp32; then the
+        """x: the embeddings [T, hidden] fp32; cos, sin [T, 1, rotary_dims / 2] fp32; then the
         paged attention metadata of T one-row queries (the step's slots, each row's block
         table, context and the largest context), as the CPU attention backend prepares it.
         Returns the last layer's output and the residual stream, as the layer modules' loop does."""
@@ -124,7 +128,7 @@ class DecoderStack:
         residual = torch.empty_like(x)
         cos, sin = cos.contiguous(), sin.contiguous()
         assert x.dtype == cos.dtype == sin.dtype == torch.float32 and x.shape[1] == self.hidden
-        assert cos.numel() == sin.numel() == T * (self.head_dim // 2)
+        assert cos.numel() == sin.numel() == T * (self.rotary_dims // 2)
         for t in (slots, rows, tables, ctx):
             assert t.dtype == torch.int64 and t.is_contiguous() and t.shape[0] == T
         step = _Step(T, quant.current_path(), x.data_ptr(), residual.data_ptr(), cos.data_ptr(), sin.data_ptr(),

@@ -52,7 +52,9 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x: [T, heads, head_dim] (rows may be strided, as slices of a fused qkv); cos, sin:
     [T, 1, head_dim // 2]. Returns a new contiguous tensor."""
     T, heads, D = x.shape
-    if _compiled(x, cos, sin) and x.stride(2) == 1 and x.stride(1) == D:
+    if _compiled(x, cos, sin):
+        if x.stride(2) != 1 or x.stride(1) != D:  # a head's first part (partial rotary): the kernel's layout
+            x = x.contiguous()
         out = x.new_empty(T, heads, D)
         cos, sin = cos.contiguous(), sin.contiguous()
         _kernel("rope", x.dtype)(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), T, heads, D)

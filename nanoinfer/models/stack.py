@@ -28,10 +28,11 @@ def _linear(module: nn.Module) -> LinearWeights | None:
 
 
 # What the compiled stack computes (kernels/csrc/decoder_stack.cpp): pre-norm RMSNorm layers,
-# rotary on the whole of each head in every layer with one base, q/k RMSNorm per head, biased
-# q/k/v, per-layer windows and attention soft-caps, the SiLU-gated MLP.
+# rotary with one base (from the model's tables: LongRoPE's too) on the whole of each head or on
+# its first part, or none in a NoPE layer, q/k RMSNorm per head, biased q/k/v, per-layer windows
+# and attention soft-caps, the SiLU-gated MLP.
 STACK_FEATURES = frozenset({"norm_pre", "rms_norm", "mlp_silu", "qk_norm", "attention_bias", "window",
-                            "attention_softcap"})
+                            "attention_softcap", "nope_layers", "partial_rotary"})
 
 
 def unsupported_features(model: nn.Module) -> frozenset[str]:
@@ -54,11 +55,12 @@ def _build(model: nn.Module, attention: AttentionBackend) -> DecoderStack | None
             layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(), *linears,
             attention.cache.k[i], attention.cache.v[i], p.window, p.scale, p.softcap,
             attn.q_norm.weight.detach() if attn.q_norm is not None else None,
-            attn.k_norm.weight.detach() if attn.k_norm is not None else None))
+            attn.k_norm.weight.detach() if attn.k_norm is not None else None,
+            config.rope_layers is None or bool(config.rope_layers[i])))
     if not decoder_stack.supported(layers):
         return None
     return DecoderStack(layers, config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
-                        config.intermediate_size, config.rms_norm_eps)
+                        config.intermediate_size, config.rms_norm_eps, config.rotary_dims())
 
 
 def stack_for(model: nn.Module, batch: ForwardBatch) -> DecoderStack | None:

@@ -47,12 +47,14 @@ struct StackLayer {
     void *k_cache, *v_cache;
     int64_t window;  // 0: none
     float scale, softcap;
+    int64_t rope;  // 0: no rotary in this layer (SmolLM3's NoPE layers)
 };
 
 struct StackModel {
     int64_t num_layers, hidden, H, Hkv, D, inter, block_size, bf16_kv;
     const StackLayer* layers;
     float eps;
+    int64_t rotary_dims;  // rotary on each head's first rotary_dims values (D: all), the rest as they are
 };
 
 struct StackStep {
@@ -170,15 +172,24 @@ extern "C" int decoder_stack(const StackModel* m, const StackStep* s) {
 #pragma omp for schedule(static)
                 for (int64_t t = 0; t < T; t++) {
                     float* row = qkv + t * QKV;
-                    const float *c = s->cos + t * (D / 2), *sn = s->sin + t * (D / 2);
+                    const int64_t RD = m->rotary_dims;
+                    const float *c = s->cos + t * (RD / 2), *sn = s->sin + t * (RD / 2);
+                    const float* src = row;
                     if (L.q_norm) {
                         for (int64_t hd = 0; hd < H + Hkv; hd++)
                             nanoinfer::rms_norm_row_f32(row + hd * D, nullptr, hd < H ? L.q_norm : L.k_norm,
                                                         normed + hd * D, D, m->eps);
-                        nanoinfer::rope_row_f32(normed, c, sn, qk, H, D);
-                        nanoinfer::rope_row_f32(normed + H * D, c, sn, qk + H * D, Hkv, D);
-                    } else {
-                        nanoinfer::rope_row_f32(row, c, sn, qk, H + Hkv, D);
+                        src = normed;
+                    }
+                    if (!L.rope) {
+                        std::memcpy(qk, src, sizeof(float) * (H + Hkv) * D);
+                    } else if (RD == D) {
+                        nanoinfer::rope_row_f32(src, c, sn, qk, H + Hkv, D);
+                    } else {  // partial rotary: each head's first RD values turn, the rest pass
+                        for (int64_t hd = 0; hd < H + Hkv; hd++) {
+                            nanoinfer::rope_row_f32(src + hd * D, c, sn, qk + hd * D, 1, RD);
+                            std::memcpy(qk + hd * D + RD, src + hd * D + RD, sizeof(float) * (D - RD));
+                        }
                     }
                     std::memcpy(q + t * H * D, qk, sizeof(float) * H * D);
                     store_row(L.k_cache, bf16, s->slots[t], qk + H * D, Hkv * D);
