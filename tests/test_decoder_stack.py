@@ -1,7 +1,8 @@
 """The compiled decoder stack (kernels/decoder_stack.py) against the layer modules it stands in
 for: the same tokens and the same logprob bits, for every Llama-family feature it carries
 (q/k/v bias, q/k norms, a sliding window, grouped-query attention, tied heads, SmolLM3's NoPE
-layers, Phi-3's fused checkpoints and LongRoPE), in batches
+layers, Phi-3's fused checkpoints and LongRoPE, Gemma 2 and 3's sandwich norms, GELU MLP,
+soft-caps and local rotary tables), in batches
 with chunked prefill, on each dispatch path."""
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from gguf_export import write_gguf_from_hf
 
 # kind, tied head, weight type: together every branch of the stack
 CASES = [("llama", False, "Q4_1"), ("qwen2", True, "Q8_0"), ("qwen3", False, "Q5_0"), ("mistral", False, "Q4_0"),
-         ("smollm3", False, "Q8_0"), ("phi3", False, "Q4_0"), ("phi3_longrope", False, "Q8_0")]
+         ("smollm3", False, "Q8_0"), ("phi3", False, "Q4_0"), ("phi3_longrope", False, "Q8_0"),
+         ("gemma2", True, "Q8_0"), ("gemma3", True, "Q4_0")]
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +153,7 @@ def cpu_stack_unavailable() -> bool:
 
 def test_the_stack_runs_only_the_features_it_computes(ggufs, tmp_path):
     """An allow-list: a family that turns the stack on but whose layers need a feature it does not
-    compute (OLMo 2's q/k norms over all heads, a local rotary base, a layer class of its own) runs its
+    compute (OLMo 2's q/k norms over all heads, an activation it has no row for, a layer class of its own) runs its
     modules, with the module path's tokens."""
     from nanoinfer.models import stack
     from nanoinfer.models.llama import DecoderLayer
@@ -163,9 +165,9 @@ def test_the_stack_runs_only_the_features_it_computes(ggufs, tmp_path):
     model.config.qk_norm_over_heads = True  # the stack would norm each head alone: silently wrong
     assert stack.unsupported_features(model) == {"qk_norm_over_heads"}
     model.config.qk_norm_over_heads = False
-    model.config.rope_theta_local = model.config.rope_theta * 10  # Gemma's local layers' own base
-    assert stack.unsupported_features(model) == {"local_rotary_base"}
-    model.config.rope_theta_local = None
+    model.model.layers[1].mlp.act = "relu2"  # an activation the stack has no row for
+    assert stack.unsupported_features(model) == {"mlp_relu2"}
+    model.model.layers[1].mlp.act = "silu"
 
     class ScaledLayer(DecoderLayer):
         pass

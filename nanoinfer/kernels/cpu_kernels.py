@@ -158,7 +158,8 @@ def library() -> ctypes.CDLL | None:
         getattr(lib, f"rms_norm_{suffix}").argtypes = [p, p, p, p, i, i, ctypes.c_float]
         getattr(lib, f"rope_{suffix}").argtypes = [p, i, p, p, p, i, i, i]
         getattr(lib, f"silu_mul_{suffix}").argtypes = [p, p, i, i]
-        for op in ("rms_norm", "rope", "silu_mul"):
+        getattr(lib, f"gelu_tanh_mul_{suffix}").argtypes = [p, p, i, i]
+        for op in ("rms_norm", "rope", "silu_mul", "gelu_tanh_mul"):
             getattr(lib, f"{op}_{suffix}").restype = None
     return lib
 

@@ -30,7 +30,8 @@ class _Linear(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("in_norm", _p), ("post_norm", _p), ("q_norm", _p), ("k_norm", _p), ("qkv", _Linear), ("o", _Linear),
                 ("gate_up", _Linear), ("down", _Linear), ("k_cache", _p), ("v_cache", _p), ("window", _i),
-                ("scale", _f), ("softcap", _f), ("rope", _i)]
+                ("scale", _f), ("softcap", _f), ("rope", _i), ("attn_out_norm", _p), ("mlp_out_norm", _p),
+                ("act", _i)]
 
 
 class _Model(ctypes.Structure):
@@ -41,13 +42,18 @@ class _Model(ctypes.Structure):
 
 class _Step(ctypes.Structure):
     _fields_ = [("T", _i), ("path", _i), ("x", _p), ("residual", _p), ("cos", _p), ("sin", _p), ("slots", _p),
-                ("rows", _p), ("tables", _p), ("ctx", _p), ("width", _i), ("max_ctx", _i)]
+                ("rows", _p), ("tables", _p), ("ctx", _p), ("width", _i), ("max_ctx", _i), ("cos_local", _p),
+                ("sin_local", _p)]
 
 
 @dataclass
 class LinearWeights:
     parts: list[tuple[int, torch.Tensor]]  # (GGML type, uint8 [n, row_bytes]) side by side in the output
     bias: torch.Tensor | None = None
+
+
+ROPE_NONE, ROPE_GLOBAL, ROPE_LOCAL = 0, 1, 2  # csrc/decoder_stack.cpp: StackLayer.rope
+ACTS = {"silu": 0, "gelu_tanh": 1}  # StackLayer.act
 
 
 @dataclass
@@ -65,7 +71,10 @@ class LayerWeights:
     softcap: float | None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
-    rope: bool = True  # False: a NoPE layer (q and k unrotated)
+    rope: int = ROPE_GLOBAL  # ROPE_NONE: a NoPE layer (q and k unrotated); ROPE_LOCAL: the local tables
+    attn_out_norm: torch.Tensor | None = None  # sandwich norms (Gemma): the attention's output normed,
+    mlp_out_norm: torch.Tensor | None = None  # and the MLP's, before each joins the stream
+    act: str = "silu"  # the gated MLP's activation: "silu" or "gelu_tanh"
 
 
 def supported(layers: list[LayerWeights]) -> bool:
@@ -74,7 +83,10 @@ def supported(layers: list[LayerWeights]) -> bool:
     if cpu_kernels.library() is None:
         return False
     for lw in layers:
-        norms = [lw.in_norm, lw.post_norm] + [t for t in (lw.q_norm, lw.k_norm) if t is not None]
+        norms = [lw.in_norm, lw.post_norm] + [t for t in (lw.q_norm, lw.k_norm, lw.attn_out_norm, lw.mlp_out_norm)
+                                             if t is not None]
+        if lw.act not in ACTS:
+            return False
         if any(t.dtype != torch.float32 or not t.is_contiguous() for t in norms):
             return False
         if lw.k_cache.dtype not in (torch.float32, torch.bfloat16) or lw.v_cache.dtype != lw.k_cache.dtype:
@@ -110,7 +122,8 @@ class DecoderStack:
                 lw.k_norm.data_ptr() if lw.k_norm is not None else None,
                 _linear(lw.qkv), _linear(lw.o), _linear(lw.gate_up), _linear(lw.down),
                 lw.k_cache.data_ptr(), lw.v_cache.data_ptr(), lw.window or 0, lw.scale, lw.softcap or 0.0,
-                int(lw.rope))
+                lw.rope, lw.attn_out_norm.data_ptr() if lw.attn_out_norm is not None else None,
+                lw.mlp_out_norm.data_ptr() if lw.mlp_out_norm is not None else None, ACTS[lw.act])
         self._table = table
         self._model = _Model(len(layers), hidden, num_heads, num_kv_heads, head_dim, intermediate,
                              layers[0].k_cache.shape[1], int(layers[0].k_cache.dtype == torch.bfloat16),
@@ -118,7 +131,8 @@ class DecoderStack:
         self._model_ref = ctypes.byref(self._model)
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
-            tables: torch.Tensor, ctx: torch.Tensor, max_ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
+            tables: torch.Tensor, ctx: torch.Tensor, max_ctx: int, cos_local: torch.Tensor | None = None,
+            sin_local: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the embeddings [T, hidden] fp32; cos, sin [T, 1, rotary_dims / 2] fp32; then the
         paged attention metadata of T one-row queries (the step's slots, each row's block
         table, context and the largest context), as the CPU attention backend prepares it.
@@ -129,10 +143,16 @@ class DecoderStack:
         cos, sin = cos.contiguous(), sin.contiguous()
         assert x.dtype == cos.dtype == sin.dtype == torch.float32 and x.shape[1] == self.hidden
         assert cos.numel() == sin.numel() == T * (self.rotary_dims // 2)
+        if any(lw.rope == ROPE_LOCAL for lw in self.layers):
+            assert cos_local is not None and sin_local is not None, "layers on the local rotary need its tables"
+            cos_local, sin_local = cos_local.contiguous(), sin_local.contiguous()
+            assert cos_local.dtype == sin_local.dtype == torch.float32 and cos_local.shape == cos.shape == sin_local.shape
         for t in (slots, rows, tables, ctx):
             assert t.dtype == torch.int64 and t.is_contiguous() and t.shape[0] == T
         step = _Step(T, quant.current_path(), x.data_ptr(), residual.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                     slots.data_ptr(), rows.data_ptr(), tables.data_ptr(), ctx.data_ptr(), tables.shape[1], max_ctx)
+                     slots.data_ptr(), rows.data_ptr(), tables.data_ptr(), ctx.data_ptr(), tables.shape[1], max_ctx,
+                     cos_local.data_ptr() if cos_local is not None else None,
+                     sin_local.data_ptr() if sin_local is not None else None)
         rc = cpu_kernels.library().decoder_stack(self._model_ref, ctypes.byref(step))
         if rc == 1:
             raise ValueError("decoder stack: the layers' projection shapes do not fit the model's dimensions")

@@ -1,5 +1,5 @@
 """A decoder layer's small operations: RMSNorm (with the residual add before it), rotary
-embedding, SwiGLU's silu(gate) * up.
+embedding, the gated MLPs' silu(gate) * up and gelu_tanh(gate) * up.
 
 Each function is written once in PyTorch, the formula as Hugging Face computes it, and
 for fp32 and bf16 on the CPU runs as one compiled pass instead (csrc/layer_ops.cpp, which
@@ -73,3 +73,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up (Gemma's MLP), gate and up the two halves of the last dimension."""
+    if _compiled(gate_up):
+        gate_up = gate_up.contiguous()
+        inter = gate_up.shape[-1] // 2
+        out = gate_up.new_empty(*gate_up.shape[:-1], inter)
+        _kernel("gelu_tanh_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter)
+        return out
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

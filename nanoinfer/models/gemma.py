@@ -20,12 +20,17 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from . import stack as decoder_stack
 from .batch import ForwardBatch
 from .llama import MLP, Attention, LlamaForCausalLM, RMSNorm, rope_inv_freq
 from .rotary import RotaryTable
 
 
 class GemmaDecoderLayer(nn.Module):
+    # llama.py's attention and MLP with the sandwich norms (norm_layout "sandwich"): what the
+    # compiled decoder stack computes for it (models/stack.py), the windowed layers on the local tables
+    stack_layer = True
+
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.sliding = config.windows()[layer] is not None
@@ -71,11 +76,17 @@ class GemmaForCausalLM(LlamaForCausalLM):
         x = self.model.embed_tokens(batch.input_ids)
         x = x * torch.tensor(math.sqrt(self.config.hidden_size), dtype=x.dtype)
         rotary = {False: self.rotary(batch.positions, x.dtype), True: self.rotary_local(batch.positions, x.dtype)}
-        for layer in self.model.layers:
-            x = layer(x, rotary, batch)
+        stack = decoder_stack.stack_for(self, batch)
+        residual = None
+        if stack is not None:  # the layers' last output and the stream it joins: the norm adds them
+            x, residual = decoder_stack.run(stack, x, *rotary[False], batch, rotary[True])
+        else:
+            for layer in self.model.layers:
+                x = layer(x, rotary, batch)
         if batch.logits_indices is not None:
             x = x[batch.logits_indices]
-        logits = self.lm_head(self.model.norm(x)[0]).float()
+            residual = None if residual is None else residual[batch.logits_indices]
+        logits = self.lm_head(self.model.norm(x, residual)[0]).float()
         if self.config.final_softcap:
             c = self.config.final_softcap
             logits = torch.tanh(logits / c) * c

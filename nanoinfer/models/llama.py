@@ -13,7 +13,6 @@ import math
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from ..config import ModelConfig
 from ..kernels import layer_ops
@@ -142,10 +141,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.gate_up_proj(x)
-        if self.act == "silu":
-            return self.down_proj(layer_ops.silu_mul(h))
-        gate, up = h.chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(layer_ops.silu_mul(h) if self.act == "silu" else layer_ops.gelu_tanh_mul(h))
 
 
 def fuse_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -224,11 +220,11 @@ class LlamaForCausalLM(nn.Module):
         c = self.config
         f = {f"norm_{c.norm_layout}", "rms_norm"}
         for layer in self.model.layers:
-            if type(layer) is not DecoderLayer:  # a family's own layer computes what the stack does not know
+            # A family's own layer class computes what the stack does not know, unless it says that
+            # its layers are this module's parts arranged as its norm layout names (stack_layer).
+            if type(layer) is not DecoderLayer and not type(layer).__dict__.get("stack_layer", False):
                 f.add(f"layer:{type(layer).__name__}")
-            elif layer.mlp.act != "silu":
-                f.add(f"mlp_{layer.mlp.act}")
-        f.add("mlp_silu")
+            f.add(f"mlp_{layer.mlp.act}")
         if c.rope_layers is not None and not all(c.rope_layers):
             f.add("nope_layers")
         if c.rotary_dims() != c.head_dim:

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..attention import AttentionBackend
 from ..kernels import decoder_stack
-from ..kernels.decoder_stack import DecoderStack, LayerWeights, LinearWeights
+from ..kernels.decoder_stack import ROPE_GLOBAL, ROPE_LOCAL, ROPE_NONE, DecoderStack, LayerWeights, LinearWeights
 from ..kernels.quant_linear import QuantLinear
 from .batch import ForwardBatch
 
@@ -27,12 +27,14 @@ def _linear(module: nn.Module) -> LinearWeights | None:
     return LinearWeights([(p.qtype, getattr(module, f"part{i}")) for i, p in enumerate(module.parts)], module.bias)
 
 
-# What the compiled stack computes (kernels/csrc/decoder_stack.cpp): pre-norm RMSNorm layers,
-# rotary with one base (from the model's tables: LongRoPE's too) on the whole of each head or on
-# its first part, or none in a NoPE layer, q/k RMSNorm per head, biased q/k/v, per-layer windows
-# and attention soft-caps, the SiLU-gated MLP.
-STACK_FEATURES = frozenset({"norm_pre", "rms_norm", "mlp_silu", "qk_norm", "attention_bias", "window",
-                            "attention_softcap", "nope_layers", "partial_rotary"})
+# What the compiled stack computes (kernels/csrc/decoder_stack.cpp): RMSNorm layers, pre-norm or
+# sandwiched (Gemma: the attention's and the MLP's outputs normed too), rotary from the model's
+# tables (LongRoPE's too; Gemma's windowed layers from their own local tables) on the whole of
+# each head or on its first part, or none in a NoPE layer, q/k RMSNorm per head, biased q/k/v,
+# per-layer windows and attention soft-caps, the SiLU- or GELU(tanh)-gated MLP.
+STACK_FEATURES = frozenset({"norm_pre", "norm_sandwich", "rms_norm", "mlp_silu", "mlp_gelu_tanh", "qk_norm",
+                            "attention_bias", "window", "attention_softcap", "nope_layers", "partial_rotary",
+                            "local_rotary_base"})
 
 
 def unsupported_features(model: nn.Module) -> frozenset[str]:
@@ -44,6 +46,7 @@ def _build(model: nn.Module, attention: AttentionBackend) -> DecoderStack | None
     config = model.config
     if unsupported_features(model):
         return None
+    sandwich = config.norm_layout == "sandwich"
     layers = []
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
@@ -51,12 +54,18 @@ def _build(model: nn.Module, attention: AttentionBackend) -> DecoderStack | None
         if any(lin is None for lin in linears):
             return None
         p = attention.params[i]
+        if config.rope_layers is not None and not config.rope_layers[i]:
+            rope = ROPE_NONE
+        else:  # Gemma's windowed layers turn by their own tables
+            rope = ROPE_LOCAL if getattr(layer, "sliding", False) else ROPE_GLOBAL
+        before_mlp = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
         layers.append(LayerWeights(
-            layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(), *linears,
+            layer.input_layernorm.weight.detach(), before_mlp.weight.detach(), *linears,
             attention.cache.k[i], attention.cache.v[i], p.window, p.scale, p.softcap,
             attn.q_norm.weight.detach() if attn.q_norm is not None else None,
-            attn.k_norm.weight.detach() if attn.k_norm is not None else None,
-            config.rope_layers is None or bool(config.rope_layers[i])))
+            attn.k_norm.weight.detach() if attn.k_norm is not None else None, rope,
+            layer.post_attention_layernorm.weight.detach() if sandwich else None,
+            layer.post_feedforward_layernorm.weight.detach() if sandwich else None, mlp.act))
     if not decoder_stack.supported(layers):
         return None
     return DecoderStack(layers, config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
@@ -77,8 +86,9 @@ def stack_for(model: nn.Module, batch: ForwardBatch) -> DecoderStack | None:
     return cached[1]
 
 
-def run(stack: DecoderStack, x, cos, sin, batch: ForwardBatch):
+def run(stack: DecoderStack, x, cos, sin, batch: ForwardBatch, local=None):
+    """local: the windowed layers' own (cos, sin), where the model has them (Gemma)."""
     meta = batch.attn_metadata
     assert not meta.prefills  # a fused_stack backend makes every row a one-row query
     return stack.run(x, cos, sin, meta.slot_mapping, meta.decode_rows, meta.decode_tables,
-                     meta.decode_ctx.view(-1), meta.decode_max_ctx)
+                     meta.decode_ctx.view(-1), meta.decode_max_ctx, *(local or (None, None)))

@@ -47,7 +47,11 @@ struct StackLayer {
     void *k_cache, *v_cache;
     int64_t window;  // 0: none
     float scale, softcap;
-    int64_t rope;  // 0: no rotary in this layer (SmolLM3's NoPE layers)
+    int64_t rope;  // 0: no rotary in this layer (SmolLM3's NoPE layers); 2: the local tables (Gemma's windowed layers)
+    // Sandwich norms (Gemma): the attention's and the MLP's outputs normed before they join the
+    // stream (null: pre-norm layers). post_norm is then the norm before the MLP.
+    const float *attn_out_norm, *mlp_out_norm;
+    int64_t act;  // 0: silu(gate) * up; 1: gelu_tanh(gate) * up
 };
 
 struct StackModel {
@@ -64,6 +68,7 @@ struct StackStep {
     const float *cos, *sin;
     const int64_t *slots, *rows, *tables, *ctx;
     int64_t width, max_ctx;
+    const float *cos_local, *sin_local;  // the windowed layers' own rotary tables (rope == 2), or null
 };
 
 int64_t width_of(const StackLinear& l) {
@@ -173,7 +178,9 @@ extern "C" int decoder_stack(const StackModel* m, const StackStep* s) {
                 for (int64_t t = 0; t < T; t++) {
                     float* row = qkv + t * QKV;
                     const int64_t RD = m->rotary_dims;
-                    const float *c = s->cos + t * (RD / 2), *sn = s->sin + t * (RD / 2);
+                    const bool local = L.rope == 2;
+                    const float *c = (local ? s->cos_local : s->cos) + t * (RD / 2);
+                    const float *sn = (local ? s->sin_local : s->sin) + t * (RD / 2);
                     const float* src = row;
                     if (L.q_norm) {
                         for (int64_t hd = 0; hd < H + Hkv; hd++)
@@ -204,14 +211,27 @@ extern "C" int decoder_stack(const StackModel* m, const StackStep* s) {
             }
             if (!r) {
 #pragma omp for schedule(static)
-                for (int64_t t = 0; t < T; t++)
-                    nanoinfer::rms_norm_row_f32(s->residual + t * E, proj + t * E, L.post_norm, h + t * E, E, m->eps);
+                for (int64_t t = 0; t < T; t++) {
+                    float* p = proj + t * E;
+                    if (L.attn_out_norm) nanoinfer::rms_norm_row_f32(p, nullptr, L.attn_out_norm, p, E, m->eps);
+                    nanoinfer::rms_norm_row_f32(s->residual + t * E, p, L.post_norm, h + t * E, E, m->eps);
+                }
                 r = linear(L.gate_up, h, T, E, gu, s->path, qacts);
             }
             if (!r) {
 #pragma omp for schedule(static)
-                for (int64_t t = 0; t < T; t++) nanoinfer::silu_mul_row_f32(gu + t * 2 * I, act + t * I, I);
+                for (int64_t t = 0; t < T; t++) {
+                    if (L.act == 1)
+                        nanoinfer::gelu_tanh_mul_row_f32(gu + t * 2 * I, act + t * I, I);
+                    else
+                        nanoinfer::silu_mul_row_f32(gu + t * 2 * I, act + t * I, I);
+                }
                 r = linear(L.down, act, T, I, s->x, s->path, qacts);
+            }
+            if (!r && L.mlp_out_norm) {
+#pragma omp for schedule(static)
+                for (int64_t t = 0; t < T; t++)
+                    nanoinfer::rms_norm_row_f32(s->x + t * E, nullptr, L.mlp_out_norm, s->x + t * E, E, m->eps);
             }
             if (r) {  // the same for every thread: the codes depend on the arguments alone
 #pragma omp master

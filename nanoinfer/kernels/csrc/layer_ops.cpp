@@ -1,6 +1,6 @@
 // The small operations of a decoder layer, each one pass over its rows instead of the
 // several PyTorch ops (and temporaries) it takes to spell them: RMSNorm with the residual
-// add before it, rotary embedding, and SwiGLU's silu(gate) * up. At decode they are a few
+// add before it, rotary embedding, and the gated MLPs' silu(gate) * up and gelu_tanh(gate) * up. At decode they are a few
 // dozen rows, where the cost of an op is its dispatch; at prefill they are a few thousand,
 // where it is the passes over memory.
 //
@@ -83,6 +83,28 @@ __attribute__((noinline)) void silu_mul_row(const T* g, T* o, int64_t inter) {
     }
 }
 
+// o = gelu_tanh(gate) * up (Gemma's MLP), gelu_tanh(g) = g / 2 * (1 + tanh(v)), v = sqrt(2 / pi) (g +
+// 0.044715 g^3), in torch's order (so 1 + tanh(v) cancels where it does in torch: a gate far below
+// zero gives 0, as there); tanh(v) = sign(v) (1 - e) / (1 + e) with e = e^-2|v|, so that the
+// exponential never overflows.
+template <typename T>
+__attribute__((noinline)) void gelu_tanh_mul_row(const T* g, T* o, int64_t inter) {
+    const T* u = g + inter;
+    for (int64_t i = 0; i < inter; i++) {
+        const float gi = load(g, i);
+        const float v = 0.7978845608028654f * (gi + 0.044715f * gi * gi * gi);
+        const float e = exp_nonpositive(-2.f * std::fabs(v));
+        const float th = std::copysign((1.f - e) / (1.f + e), v);
+        store(o, i, round_as(0.5f * gi * (1.f + th), o) * load(u, i));
+    }
+}
+
+template <typename T>
+void gelu_tanh_mul(const T* gate_up, T* out, int64_t rows, int64_t inter) {
+#pragma omp parallel for if (rows * inter >= kParallelValues)
+    for (int64_t r = 0; r < rows; r++) gelu_tanh_mul_row(gate_up + r * 2 * inter, out + r * inter, inter);
+}
+
 template <typename T>
 void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t inter) {
 #pragma omp parallel for if (rows * inter >= kParallelValues)
@@ -102,6 +124,9 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t inter) {
     }                                                                                                        \
     extern "C" void silu_mul_##SUFFIX(const T* gate_up, T* out, int64_t rows, int64_t inter) {                 \
         silu_mul(gate_up, out, rows, inter);                                                                 \
+    }                                                                                                        \
+    extern "C" void gelu_tanh_mul_##SUFFIX(const T* gate_up, T* out, int64_t rows, int64_t inter) {            \
+        gelu_tanh_mul(gate_up, out, rows, inter);                                                            \
     }
 
 LAYER_OPS(f32, float)
@@ -115,4 +140,5 @@ void rope_row_f32(const float* x, const float* cos, const float* sin, float* out
     rope_row(x, cos, sin, out, heads, D);
 }
 void silu_mul_row_f32(const float* gate_up, float* out, int64_t inter) { silu_mul_row(gate_up, out, inter); }
+void gelu_tanh_mul_row_f32(const float* gate_up, float* out, int64_t inter) { gelu_tanh_mul_row(gate_up, out, inter); }
 }  // namespace nanoinfer

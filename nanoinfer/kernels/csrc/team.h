@@ -37,5 +37,6 @@ void attention_team_f32(const float* q, const int64_t* rows, const void* k, cons
 void rms_norm_row_f32(float* x, const float* add, const float* w, float* out, int64_t dim, float eps);
 void rope_row_f32(const float* x, const float* cos, const float* sin, float* out, int64_t heads, int64_t D);
 void silu_mul_row_f32(const float* gate_up, float* out, int64_t inter);
+void gelu_tanh_mul_row_f32(const float* gate_up, float* out, int64_t inter);
 
 }  // namespace nanoinfer
