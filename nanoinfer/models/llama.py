@@ -224,7 +224,9 @@ class LlamaForCausalLM(nn.Module):
             # its layers are this module's parts arranged as its norm layout names (stack_layer).
             if type(layer) is not DecoderLayer and not type(layer).__dict__.get("stack_layer", False):
                 f.add(f"layer:{type(layer).__name__}")
-            f.add(f"mlp_{layer.mlp.act}")
+            act = getattr(getattr(layer, "mlp", None), "act", None)  # (a routed-experts block has none)
+            if act is not None:
+                f.add(f"mlp_{act}")
         if c.rope_layers is not None and not all(c.rope_layers):
             f.add("nope_layers")
         if c.rotary_dims() != c.head_dim:

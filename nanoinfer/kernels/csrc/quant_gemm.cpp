@@ -283,7 +283,7 @@ extern "C" int64_t quant_dot_peak(int path, int64_t reps) {
 #pragma omp parallel reduction(+ : ops)
     ops += path == PATH_AVX512 ? dot_peak_avx512(reps) : dot_peak_avx2(reps);
 #endif
-    return ops;
+    return ops > 0 ? ops : -1;
 }
 
 // Type records, as this library was built with them: (GGML id, values per block, bytes per

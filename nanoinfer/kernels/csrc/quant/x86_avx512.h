@@ -137,8 +137,13 @@ QG_AVX512 void rows_avx512(const Ctx& c, int64_t n, int cols, int64_t m0, int mt
 // The types this path has kernels for (the 32-value block types).
 constexpr bool avx512_has(int t) { return t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q5_1 || t == Q8_0; }
 
-// dot_peak_avx2 with vpdpbusd on 512-bit registers (64 products an instruction).
+// dot_peak_avx2 with vpdpbusd on 512-bit registers (64 products an instruction). Emulated
+// through SIMDe it measures nothing of the machine: -1, no probe.
 QG_AVX512 __attribute__((noinline)) int64_t dot_peak_avx512(int64_t reps) {
+#if defined(QG_EMULATE_AVX512)
+    (void)reps;
+    return -1;
+#else
     __m512i a = _mm512_set1_epi8(1), acc[8], b[8];
     for (int j = 0; j < 8; j++) {
         acc[j] = _mm512_setzero_si512();
@@ -150,9 +155,12 @@ QG_AVX512 __attribute__((noinline)) int64_t dot_peak_avx512(int64_t reps) {
     }
     __m512i s = acc[0];
     for (int j = 1; j < 8; j++) s = _mm512_add_epi32(s, acc[j]);
-    volatile int32_t sink = _mm512_reduce_add_epi32(s);
+    alignas(64) int32_t lanes[16];
+    _mm512_store_si512(lanes, s);
+    volatile int32_t sink = lanes[0];
     (void)sink;
     return reps * 8 * 64 * 2;
+#endif
 }
 
 // AVX-512 F, BW, VL and VNNI on the CPU, and the OS saving their registers (XCR0: SSE, AVX,
