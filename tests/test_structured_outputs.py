@@ -166,7 +166,8 @@ def suite_outputs(llm, temperature, seed):
     return _suite_outputs[key]
 
 
-@pytest.mark.parametrize("temperature,seed", [(0.0, None), (1.0, 1)])
+# Greedy here; a sampled run of the same suite goes through the server (test_server_structured.py).
+@pytest.mark.parametrize("temperature,seed", [(0.0, None)])
 def test_every_schema_validates(llm, temperature, seed):
     check_json(suite_outputs(llm, temperature, seed), SCHEMAS)
 
@@ -198,7 +199,7 @@ def test_closing_plans_complete_every_prefix(llm):
     token; this checks that it also ends in a complete value)."""
     engine = llm.engine
     closer = engine.structured.closer
-    outs = suite_outputs(llm, 1.0, 1)
+    outs = suite_outputs(llm, 0.0, None)
     checked = 0
     for out, (name, schema) in zip(outs, SCHEMAS):
         o = out.outputs[0]
