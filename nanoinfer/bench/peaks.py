@@ -164,7 +164,8 @@ def resolve_peaks(device: torch.device, dtype: torch.dtype, peak_flops: float | 
     """block: the model runs on GGUF blocks on the CPU (its compute peak is the 8-bit dot's,
     where this CPU has a probe for its path)."""
     name = device_name(device)
-    block = block and device.type == "cpu" and measured_peaks(device, dtype, remeasure, block=True)[0] > 0
+    dot = measured_peaks(device, dtype, remeasure, block=True) if block and device.type == "cpu" else None
+    block = dot is not None and dot[0] > 0  # no probe on this path: the matmul's peak stands in
     compute = "8-bit dot" if block else "matmul"
     if peak_flops is not None and peak_bandwidth is not None:
         return Peaks(peak_flops, peak_bandwidth, "override", name, compute)
@@ -173,7 +174,7 @@ def resolve_peaks(device: torch.device, dtype: torch.dtype, peak_flops: float | 
         flops, bandwidth, label = found
         source, name = "table", f"{name} ({label})"
     else:
-        flops, bandwidth, source = measured_peaks(device, dtype, remeasure and not block, block=block)
+        flops, bandwidth, source = dot if block else measured_peaks(device, dtype, remeasure)
     sources = ["override" if peak_flops is not None else source,
                "override" if peak_bandwidth is not None else source]
     return Peaks(peak_flops if peak_flops is not None else flops,

@@ -65,23 +65,21 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, gate and up the two halves of the last dimension."""
-    if _compiled(gate_up):
-        gate_up = gate_up.contiguous()
-        inter = gate_up.shape[-1] // 2
-        out = gate_up.new_empty(*gate_up.shape[:-1], inter)
-        _kernel("silu_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter)
-        return out
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return _gated("silu_mul", gate_up, F.silu)
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gelu_tanh(gate) * up (Gemma's MLP), gate and up the two halves of the last dimension."""
+    return _gated("gelu_tanh_mul", gate_up, lambda g: F.gelu(g, approximate="tanh"))
+
+
+def _gated(op: str, gate_up: torch.Tensor, act) -> torch.Tensor:
+    """act(gate) * up: the compiled row op `op`, or the PyTorch formula."""
     if _compiled(gate_up):
         gate_up = gate_up.contiguous()
         inter = gate_up.shape[-1] // 2
         out = gate_up.new_empty(*gate_up.shape[:-1], inter)
-        _kernel("gelu_tanh_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter)
+        _kernel(op, gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter)
         return out
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
+    return act(gate) * up

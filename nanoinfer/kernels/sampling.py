@@ -23,7 +23,7 @@ INTS, DOUBLES = 12, 7  # csrc/sampling.cpp: kInts, kDoubles
 def compiled_for(device: torch.device) -> CompiledSampling | None:
     """The compiled sampling for logits on `device`, if there is one."""
     if device.type == "cpu" and cpu_kernels.library() is not None:
-        return CompiledSampling(draw=draw, top_logprobs=top_logprobs)
+        return CPU_SAMPLING
     return None
 
 
@@ -80,3 +80,6 @@ def top_logprobs(lp: torch.Tensor, chosen: torch.Tensor, n: int) -> tuple[list[i
                                        top.data_ptr(), tied.data_ptr(), torch.get_num_threads())
     tops = top[:, :n].tolist()
     return ranks.tolist(), [None if t else tops[g] for g, t in enumerate(tied.tolist())]
+
+
+CPU_SAMPLING = CompiledSampling(draw=draw, top_logprobs=top_logprobs)  # one object, not one per step
