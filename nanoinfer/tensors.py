@@ -14,15 +14,17 @@ class QuantizedTensor:
     qtype: int  # GGMLQuantizationType value
     shape: tuple[int, int]  # the logical [rows, K]
     type_name: str = ""  # "Q4_K", ... for messages
+    repacked: bool = False  # rows in the kernels' repacked layout (kernels/csrc/quant/packed.h), not the file's
 
     def take_rows(self, index: torch.Tensor) -> QuantizedTensor:
         """These rows, in this order (a copy): rows are whole blocks, so reordering them is exact."""
+        assert not self.repacked, "rows of a repacked weight are not its tensor's rows"
         return QuantizedTensor(self.data.index_select(0, index), self.qtype, (len(index), self.shape[1]), self.type_name)
 
     @staticmethod
     def cat(parts: list[QuantizedTensor]) -> QuantizedTensor:
         """Rows of tensors of one type one after another (a copy)."""
         first = parts[0]
-        assert all(p.qtype == first.qtype and p.shape[1] == first.shape[1] for p in parts)
+        assert all(p.qtype == first.qtype and p.shape[1] == first.shape[1] and not p.repacked for p in parts)
         return QuantizedTensor(torch.cat([p.data for p in parts]), first.qtype,
                                (sum(p.shape[0] for p in parts), first.shape[1]), first.type_name)

@@ -8,7 +8,8 @@ llama.cpp does, so they are checked twice:
 - the bound of the method: against x @ W^T, within that plus sum_i |w_i| * d_x(i) * 0.501 (each
   activation moves by at most half a step d_x / 2 of its block, d_x = max|x| / 127).
 And the rest of the contract: bit-identical rows whatever the batch, the same bits on every
-path, dequantize_rows exactly gguf's values, clear errors for bad arguments.
+path and in either layout (as stored, and the 32-value types' repacked one), dequantize_rows
+exactly gguf's values, clear errors for bad arguments.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from nanoinfer.kernels import cpu_kernels, quant
+from nanoinfer.tensors import QuantizedTensor
 
 if shutil.which("c++") is None and shutil.which("g++") is None:
     pytest.skip("no C++ compiler: the kernels cannot be built here", allow_module_level=True)
@@ -31,6 +33,21 @@ TYPES = list(quant.QUANT_TYPES)
 K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
 WITH_MIN = {T.Q4_1: 2, T.Q5_1: 2, T.Q4_K: 2, T.Q5_K: 2}  # byte offset of the fp16 min (dmin) in a block
 MS = (1, 2, 3, 5, 8, 17, 64)
+REPACKABLE = [t for t in TYPES if quant.RECORDS[t].interleave > 1]
+CASES = [(t, False) for t in TYPES] + [(t, True) for t in REPACKABLE]  # (type, repacked)
+
+
+def case_id(case) -> str:
+    return T(case[0]).name + ("-repacked" if case[1] else "")
+
+
+def layout(w: torch.Tensor, qtype: int, K: int, repacked: bool) -> torch.Tensor:
+    """w's bytes in the layout the case runs: as stored, or repacked by quant.repack."""
+    if not repacked:
+        return w
+    t = quant.repack(QuantizedTensor(w, qtype, (w.shape[0], K), T(qtype).name))
+    assert t.repacked and t.data.shape == w.shape and not torch.equal(t.data, w)
+    return t.data
 
 
 def test_kernel_builds():
@@ -111,14 +128,16 @@ def chain(qtype: int, K: int) -> int:
     lane, plus the products of scales, the conversions and the final sums."""
     if qtype in (T.F16, T.BF16):
         return K // 16 + 1
-    return 2 * (K // gguf.GGML_QUANT_SIZES[qtype][0]) + 2
+    per_block = {T.Q4_1: 3, T.Q5_1: 3, T.Q4_K: 4, T.Q5_K: 4}.get(qtype, 2)  # the mins join the chain
+    return per_block * (K // gguf.GGML_QUANT_SIZES[qtype][0]) + 2
 
 
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: T(t).name)
-def test_matches_dequantised(qtype, quant_path):
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_matches_dequantised(case, quant_path):
+    qtype, repacked = case
     N, K = shape(qtype)
     w_np = make_weights(qtype, N, K)
-    w = torch.from_numpy(w_np)
+    w = layout(torch.from_numpy(w_np), qtype, K, repacked)
     Wd = torch.from_numpy(dequantize(w_np, qtype))
     g = torch.Generator().manual_seed(1)
     x = torch.randn(max(MS), K, generator=g) * torch.rand(max(MS), 1, generator=g) * 3
@@ -131,7 +150,7 @@ def test_matches_dequantised(qtype, quant_path):
     method = (step * 0.501) @ Wd.abs().T  # |x_hat - x| <= d_x / 2 (and fp32 rounding of d, 1/d)
     for M in MS:
         for b in (None, bias):
-            y = quant.linear(x[:M].contiguous(), w, qtype, b).double()
+            y = quant.linear(x[:M].contiguous(), w, qtype, b, repacked).double()
             extra = 0 if b is None else b.double()
             tol = tight[:M] + (0 if b is None else 2.0 ** -24 * b.double().abs())  # the bias add rounds once more
             assert y.shape == (M, N)
@@ -140,7 +159,7 @@ def test_matches_dequantised(qtype, quant_path):
             err = (y - (x[:M].double() @ Wd.T + extra)).abs()
             assert (err <= method[:M] + tol).all(), f"M={M}: {(err / (method[:M] + tol)).max():.3g} x the bound"
     if qtype not in (T.F16, T.BF16):  # the bound is not vacuous: the error reaches a fair share of it
-        y = quant.linear(x, w, qtype).double()
+        y = quant.linear(x, w, qtype, repacked=repacked).double()
         assert ((y - x.double() @ Wd.T).abs() / (method + tight)).max() > 0.05
 
 
@@ -148,54 +167,82 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
 
 
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: T(t).name)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 @pytest.mark.parametrize("N", [37, 301])  # 301: enough work that the threads split N
-def test_rows_do_not_depend_on_the_batch(qtype, quant_path, N):
+def test_rows_do_not_depend_on_the_batch(case, quant_path, N):
     """Row r's output bits are the same alone, in any prefix of the batch, in any order and
-    tile position (tiles of 4 rows, pairs of weight rows, threads splitting N)."""
+    tile position (tiles of 4 rows, pairs or groups of 8 weight rows, threads splitting N)."""
+    qtype, repacked = case
     _, K = shape(qtype)
-    w = torch.from_numpy(make_weights(qtype, N, K, seed=2))
+    w = layout(torch.from_numpy(make_weights(qtype, N, K, seed=2)), qtype, K, repacked)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(64, K, generator=g)
     bias = torch.randn(N, generator=g)
-    full = quant.linear(x, w, qtype, bias)
+    full = quant.linear(x, w, qtype, bias, repacked)
     for M in MS:
-        assert torch.equal(bits(quant.linear(x[:M].contiguous(), w, qtype, bias)), bits(full[:M])), f"M={M}"
+        assert torch.equal(bits(quant.linear(x[:M].contiguous(), w, qtype, bias, repacked)), bits(full[:M])), f"M={M}"
     for r in (0, 5, 62, 63):
-        assert torch.equal(bits(quant.linear(x[r:r + 1].contiguous(), w, qtype, bias)), bits(full[r:r + 1]))
+        assert torch.equal(bits(quant.linear(x[r:r + 1].contiguous(), w, qtype, bias, repacked)), bits(full[r:r + 1]))
     perm = torch.randperm(64, generator=g)
-    assert torch.equal(bits(quant.linear(x[perm].contiguous(), w, qtype, bias)), bits(full[perm]))
+    assert torch.equal(bits(quant.linear(x[perm].contiguous(), w, qtype, bias, repacked)), bits(full[perm]))
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: T(t).name)
 def test_paths_agree_bit_for_bit(qtype):
+    """Every path, and (32-value types) both layouts, give the same bits: the portable kernel
+    on the rows as stored is the definition every repacked tile meets."""
     if len(quant.paths()) < 2:
         pytest.skip("one path on this CPU")
     N, K = shape(qtype, 301)
     w = torch.from_numpy(make_weights(qtype, N, K, seed=4))
+    layouts = [(w, False)] + ([(layout(w, qtype, K, True), True)] if qtype in REPACKABLE else [])
     x = torch.randn(17, K, generator=torch.Generator().manual_seed(5))
     for M in (1, 5, 17):  # the decode tiles (one x row against 4 or 8 weight rows) and the batched ones
         outs = []
         try:
             for p in quant.paths():
                 quant.set_path(p)
-                outs.append(quant.linear(x[:M].contiguous(), w, qtype))
+                outs += [quant.linear(x[:M].contiguous(), wl, qtype, repacked=r) for wl, r in layouts]
         finally:
             quant.set_path(None)
         for y in outs[1:]:
             assert torch.equal(bits(y), bits(outs[0])), f"M={M}"
 
 
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: T(t).name)
-def test_dequantize_rows_is_gguf_exactly(qtype):
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_dequantize_rows_is_gguf_exactly(case):
+    qtype, repacked = case
     N, K = shape(qtype)
     w_np = make_weights(qtype, N, K, seed=6)
-    rows = torch.tensor([0, 36, 5, 5, 17], dtype=torch.int64)
-    got = quant.dequantize_rows(torch.from_numpy(w_np), qtype, K, rows)
+    w = layout(torch.from_numpy(w_np), qtype, K, repacked)
+    rows = torch.tensor([0, 36, 5, 5, 17, 31, 32], dtype=torch.int64)  # 31 | 32: the last grouped row, the first left
+    got = quant.dequantize_rows(w, qtype, K, rows, repacked)
     want = torch.from_numpy(gguf.quants.dequantize(w_np, qtype).astype(np.float32))[rows]
-    assert got.shape == (5, K)
+    assert got.shape == (7, K)
     assert torch.equal(bits(got), bits(want))
-    assert quant.dequantize_rows(torch.from_numpy(w_np), qtype, K, torch.zeros(0, dtype=torch.int64)).shape == (0, K)
+    assert quant.dequantize_rows(w, qtype, K, torch.zeros(0, dtype=torch.int64), repacked).shape == (0, K)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: T(t).name)
+@pytest.mark.parametrize("N", [1, 7, 8, 37, 64])
+def test_repack_round_trip(qtype, N):
+    """as_stored(repack(t)) is t byte for byte; fewer rows than a group and types without a
+    repacked layout stay as they are; a group's rows really are interleaved (row 1's scale
+    sits right after row 0's)."""
+    K = shape(qtype)[1]
+    w = torch.from_numpy(make_weights(qtype, N, K, seed=8))
+    t = QuantizedTensor(w, qtype, (N, K), T(qtype).name)
+    r = quant.repack(t)
+    if qtype not in REPACKABLE or N < 8:
+        assert r is t
+        return
+    assert r.repacked and quant.repack(r) is r
+    d_stored, d_grouped = (208, 1664) if qtype == T.Q6_K else (0, 0)  # the 8 rows' fp16 scales side by side
+    assert torch.equal(r.data.view(-1)[d_grouped + 2:d_grouped + 4], w[1, d_stored:d_stored + 2])
+    back = quant.as_stored(r)
+    assert not back.repacked and torch.equal(back.data, w)
+    with pytest.raises(RuntimeError, match="no repacked layout"):
+        quant.linear(torch.randn(1, 100), torch.from_numpy(make_weights(T.F16, 8, 100)), T.F16, repacked=True)
 
 
 def test_special_values_of_f16_scales():

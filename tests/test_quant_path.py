@@ -64,10 +64,12 @@ def test_engine_matches_the_uncached_loop_on_the_same_kernels(ggufs, qtype):
     assert out.token_ids == ref_tokens[:len(out.token_ids)] and len(out.token_ids) == 24
     # The linears are the same kernels, row for row; attention differs in float order (paged
     # decode against causal SDPA over the whole sequence), about 1e-7, and now and then such a
-    # difference moves an activation across an 8-bit rounding step: a jump of a few 1e-2.
+    # difference moves an activation across an 8-bit rounding step: a jump of a few 1e-2, and
+    # the steps after it (their cache holds the moved value) differ by up to that much too.
+    # So: one step agrees to 1e-6, a third of them at least to 1e-5, every one to 0.1.
     diffs = sorted(abs(lp[tok].logprob - float(torch.log_softmax(logits, -1)[tok]))
                    for lp, logits, tok in zip(out.logprobs, ref_logits, out.token_ids))
-    assert diffs[0] < 1e-6 and diffs[len(diffs) // 2] < 1e-3 and diffs[-1] < 0.1
+    assert diffs[0] < 1e-6 and diffs[len(diffs) // 3] < 1e-5 and diffs[-1] < 0.1
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q5_0", "llama-Q8_0", "F16"])

@@ -29,8 +29,8 @@ def test_every_record_matches_gguf():
     assert set(quant.QUANT_TYPES) == set(quant.RECORDS)
 
 
-def _library_records(lib) -> list[tuple[int, int, int]]:
-    out = (ctypes.c_int64 * 3 * 64)()
+def _library_records(lib) -> list[tuple[int, int, int, int]]:
+    out = (ctypes.c_int64 * 4 * 64)()
     n = lib.quant_types(out, 64)
     assert 0 < n <= 64
     return [tuple(out[i]) for i in range(n)]
@@ -40,16 +40,16 @@ def test_the_library_reads_the_same_records():
     lib = cpu_kernels.library()
     if lib is None:
         pytest.skip("no compiled kernels here")
-    assert _library_records(lib) == [(r.ggml, r.block_values, r.block_bytes) for r in quant.RECORDS.values()]
+    assert _library_records(lib) == [(r.ggml, r.block_values, r.block_bytes, r.interleave) for r in quant.RECORDS.values()]
 
 
 def test_a_bad_record_is_named(tmp_path):
     bad = tmp_path / "types.def"
-    bad.write_text("// a comment\nQUANT_TYPE(Q4_0, 2, 32, 18, q8_0, dequantize32<Q4_0>, dot32<Q4_0>)\n"
-                   "QUANT_TYPE(Q4_1, 3, 32, q8_1, dequantize32<Q4_1>, dot32<Q4_1>)\n")
+    bad.write_text("// a comment\nQUANT_TYPE(Q4_0, 2, 32, 18, q8_0, 8, dequantize32<Q4_0>, dot32<Q4_0>)\n"
+                   "QUANT_TYPE(Q4_1, 3, 32, q8_1, 8, dequantize32<Q4_1>, dot32<Q4_1>)\n")
     with pytest.raises(ValueError, match=r"types.def:3: not a record"):
         quant.read_records(bad)
-    bad.write_text("QUANT_TYPE(A, 2, 32, 18, q8_0, a, b)\nQUANT_TYPE(B, 2, 32, 20, q8_1, c, d)\n")
+    bad.write_text("QUANT_TYPE(A, 2, 32, 18, q8_0, 1, a, b)\nQUANT_TYPE(B, 2, 32, 20, q8_1, 1, c, d)\n")
     with pytest.raises(ValueError, match=r"types.def:2: a second record for GGML type 2"):
         quant.read_records(bad)
 
@@ -59,7 +59,7 @@ def test_a_bad_record_is_named(tmp_path):
 # [d: fp16][q: int8 x 256], w = d * q. An id GGML does not use, so gguf's table does not
 # check it (nor could it: it is no GGML type).
 TOY = 1000
-TOY_RECORD = "QUANT_TYPE(TOY_K, 1000, 256, 258, q8_K32, dequantize_toy, dot_toy)\n"
+TOY_RECORD = "QUANT_TYPE(TOY_K, 1000, 256, 258, q8_K32, 1, dequantize_toy, dot_toy)\n"
 TOY_KERNELS = """
 // TOY_K [d: fp16][q: int8 x 256]: w = d * q.
 namespace {
@@ -134,8 +134,8 @@ def toy_dequantize(w: np.ndarray) -> np.ndarray:
 
 def test_toy_record_is_read_by_both_sides(toy_library):
     lib, records = toy_library
-    assert records[TOY] == quant.QuantType("TOY_K", TOY, 256, 258, "q8_K32")
-    assert _library_records(lib) == [(r.ggml, r.block_values, r.block_bytes) for r in records.values()]
+    assert records[TOY] == quant.QuantType("TOY_K", TOY, 256, 258, "q8_K32", 1)
+    assert _library_records(lib) == [(r.ggml, r.block_values, r.block_bytes, r.interleave) for r in records.values()]
     assert TOY not in {int(t) for t in T}  # no GGML type: exempt from gguf's table
 
 

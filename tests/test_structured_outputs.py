@@ -145,7 +145,7 @@ def test_at_least_20_schemas_ten_from_pydantic():
     assert len(SCHEMAS) >= 20 and len(PYDANTIC) >= 10
 
 
-SUITE_MAX_TOKENS = 256  # the looping values (Tree, Product) reach it greedily; the others end well before
+SUITE_MAX_TOKENS = 256  # the looping values reach it greedily; the others end well before
 
 
 def suite(temperature, seed, **flags):
@@ -173,18 +173,22 @@ def test_every_schema_validates(llm, temperature, seed):
 
 
 def test_a_looping_value_is_closed_within_the_budget(llm):
-    """Greedy, this 135M model nests Tree in Tree without end and repeats a phrase in Product's
-    title: cut off at max_tokens (close_within_budget off, vLLM's behaviour) that is no JSON.
-    With the budget rule (on by default) the same tokens run until the value must close, then
-    the shortest valid way out follows, and the output ends with `stop` and validates."""
+    """Greedy, this 135M model loops in some values (it nests Tree in Tree without end, or
+    repeats a phrase in a title): cut off at max_tokens (close_within_budget off, vLLM's
+    behaviour) that is no JSON. With the budget rule (on by default) the same tokens run until
+    the value must close, then the shortest valid way out follows, and the output ends with
+    `stop` and validates. Which schemas loop depends on the weights' last bits, so the test
+    takes those whose free run ran out (at least one must)."""
     prompts, open_params = suite(0.0, None, close_within_budget=False)
-    picked = [i for i, (name, _) in enumerate(SCHEMAS) if name in ("Tree", "Product")]
-    free = llm.chat([prompts[i] for i in picked], [open_params[i] for i in picked])
+    free_all = llm.chat(prompts, open_params)
+    picked = [i for i, out in enumerate(free_all) if out.outputs[0].finish_reason == "length"]
+    assert picked, "no schema loops greedily: the budget rule is not exercised"
+    free = [free_all[i] for i in picked]
     greedy = suite_outputs(llm, 0.0, None)  # the same prompts with the rule on (a row's tokens do not depend on its batch)
     closed = [greedy[i] for i in picked]
     for f, c, i in zip(free, closed, picked):
         f, c = f.outputs[0], c.outputs[0]
-        assert f.finish_reason == "length" and len(f.token_ids) == SUITE_MAX_TOKENS
+        assert len(f.token_ids) == SUITE_MAX_TOKENS
         with pytest.raises(ValueError):
             json.loads(f.text)
         assert c.finish_reason == "stop" and len(c.token_ids) <= SUITE_MAX_TOKENS

@@ -29,7 +29,7 @@ from .. import registry
 from ..config import ModelConfig
 from ..errors import ModelLoadError
 from ..kernels.cpu_linear import PackedLinear, adapt_linears
-from ..kernels.quant import block_size
+from ..kernels.quant import as_stored, block_size
 from ..kernels.quant_linear import QuantEmbedding, QuantLinear
 from ..loaders.gguf import dequantize
 from ..tensors import QuantizedTensor
@@ -185,7 +185,7 @@ def _rows(linear: nn.Module, spans: list[tuple[int, int]]) -> nn.Module:
     parts = []
     for s, e in spans:  # a span may cross the parts of a fused projection
         offset = 0
-        for p in linear.parts:
+        for p in map(as_stored, linear.parts):
             lo, hi = max(s, offset), min(e, offset + p.shape[0])
             if lo < hi:
                 parts.append(QuantizedTensor(p.data[lo - offset:hi - offset].clone(), p.qtype, (hi - lo, p.shape[1]),
@@ -200,11 +200,11 @@ def _cols(linear: nn.Module, start: int, end: int, dequantised: list[str]) -> nn
     if not isinstance(linear, QuantLinear):
         return _linear_from(_dense(linear)[:, start:end].contiguous(), None)
     parts = []
-    for p in linear.parts:
+    for p in map(as_stored, linear.parts):
         bs = block_size(p.qtype)
         if start % bs or end % bs:
             dequantised.append(f"{p.type_name} [{p.shape[0]}, {p.shape[1]}]")
-            dense = torch.cat([dequantize(q) for q in linear.parts])
+            dense = torch.cat([dequantize(as_stored(q)) for q in linear.parts])
             return _linear_from(dense[:, start:end].contiguous(), None)
         per = p.data.shape[1] // (p.shape[1] // bs)  # bytes per block
         parts.append(QuantizedTensor(p.data[:, start // bs * per:end // bs * per].contiguous(), p.qtype,
@@ -214,7 +214,7 @@ def _cols(linear: nn.Module, start: int, end: int, dequantised: list[str]) -> nn
 
 def _embedding_rows(embed: nn.Module, start: int, end: int) -> nn.Module:
     if isinstance(embed, QuantEmbedding):
-        t = embed.table
+        t = as_stored(embed.table)
         return QuantEmbedding(QuantizedTensor(t.data[start:end].clone(), t.qtype, (end - start, t.shape[1]), t.type_name))
     return nn.Embedding(end - start, embed.embedding_dim, _weight=embed.weight.detach()[start:end].clone())
 

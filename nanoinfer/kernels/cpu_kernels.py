@@ -182,8 +182,10 @@ def declare_quant(lib: ctypes.CDLL) -> None:
     lib.quant_types.restype = ctypes.c_int
     lib.quant_linear.argtypes = [p]  # an int64 array of its arguments: kernels/quant.py
     lib.quant_linear.restype = ctypes.c_int
-    lib.quant_dequantize_rows.argtypes = [ctypes.c_int, p, i, i, p, i, p]
+    lib.quant_dequantize_rows.argtypes = [ctypes.c_int, p, i, i, ctypes.c_int, p, i, p]
     lib.quant_dequantize_rows.restype = ctypes.c_int
+    lib.quant_repack.argtypes = [ctypes.c_int, p, i, i, p, ctypes.c_int]
+    lib.quant_repack.restype = ctypes.c_int
     lib.quant_dot_peak.argtypes = [ctypes.c_int, i]
     lib.quant_dot_peak.restype = ctypes.c_int64
 

@@ -20,7 +20,7 @@ _p, _i, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class _Part(ctypes.Structure):
-    _fields_ = [("qtype", _i), ("w", _p), ("n", _i)]
+    _fields_ = [("qtype", _i), ("w", _p), ("n", _i), ("repacked", _i)]
 
 
 class _Linear(ctypes.Structure):
@@ -48,7 +48,7 @@ class _Step(ctypes.Structure):
 
 @dataclass
 class LinearWeights:
-    parts: list[tuple[int, torch.Tensor]]  # (GGML type, uint8 [n, row_bytes]) side by side in the output
+    parts: list[tuple[int, torch.Tensor, bool]]  # (GGML type, uint8 [n, row_bytes], repacked) side by side in the output
     bias: torch.Tensor | None = None
 
 
@@ -92,7 +92,7 @@ def supported(layers: list[LayerWeights]) -> bool:
         if lw.k_cache.dtype not in (torch.float32, torch.bfloat16) or lw.v_cache.dtype != lw.k_cache.dtype:
             return False
         for lin in (lw.qkv, lw.o, lw.gate_up, lw.down):
-            if not 1 <= len(lin.parts) <= _MAX_PARTS or any(not quant.supported(q) for q, _ in lin.parts):
+            if not 1 <= len(lin.parts) <= _MAX_PARTS or any(not quant.supported(q) for q, _, _ in lin.parts):
                 return False
             if lin.bias is not None and (lin.bias.dtype != torch.float32 or not lin.bias.is_contiguous()):
                 return False
@@ -101,8 +101,8 @@ def supported(layers: list[LayerWeights]) -> bool:
 
 def _linear(lin: LinearWeights) -> _Linear:
     out = _Linear(nparts=len(lin.parts), bias=lin.bias.data_ptr() if lin.bias is not None else None)
-    for i, (qtype, w) in enumerate(lin.parts):
-        out.part[i] = _Part(qtype, w.data_ptr(), w.shape[0])
+    for i, (qtype, w, repacked) in enumerate(lin.parts):
+        out.part[i] = _Part(qtype, w.data_ptr(), w.shape[0], int(repacked))
     return out
 
 

@@ -6,6 +6,10 @@ activations are quantised per block as llama.cpp does (q8_0 / q8_1 for the 32-va
 q8_K for the K-quants), so each block's dot product is an exact integer sum; F16 and BF16
 weights meet the fp32 activations as they are.
 
+The 32-value types run repacked (`repack`, at load): rows in groups of 8, each block of the 8
+rows interleaved 4 values at a time (csrc/quant/packed.h), so the kernels compute 8 outputs
+per vector. The mapped file stays the source; the repacked copy replaces it in the model.
+
 Each output row depends only on its own input row: the same bits alone or in any batch, and
 the same bits on every path (`paths()`: "avx512" where the CPU has AVX-512 F/BW/VL and
 VNNI, "avx2" where it has AVX2+FMA+F16C, "portable" everywhere). The fastest path runs
@@ -29,6 +33,7 @@ from pathlib import Path
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from ..tensors import QuantizedTensor
 from . import cpu_kernels
 
 T = GGMLQuantizationType
@@ -44,6 +49,7 @@ class QuantType:
     block_values: int
     block_bytes: int
     acts: str            # the activations' format: f32, q8_0, q8_1, q8_K32, q8_K16
+    interleave: int      # rows per group of its repacked layout (1: none)
 
 
 def read_records(path: Path = TYPES_DEF) -> dict[int, QuantType]:
@@ -55,10 +61,10 @@ def read_records(path: Path = TYPES_DEF) -> dict[int, QuantType]:
             continue
         match = re.fullmatch(r"QUANT_TYPE\((.*)\)", code)
         fields = [f.strip() for f in match.group(1).split(",")] if match else []
-        if len(fields) != 7 or not all(f.isdigit() for f in fields[1:4]):
-            raise ValueError(f"{path}:{number}: not a record QUANT_TYPE(name, ggml, values, bytes, acts, dequantize, "
-                             f"dot): {line!r}")
-        record = QuantType(fields[0], int(fields[1]), int(fields[2]), int(fields[3]), fields[4])
+        if len(fields) != 8 or not all(f.isdigit() for f in (*fields[1:4], fields[5])):
+            raise ValueError(f"{path}:{number}: not a record QUANT_TYPE(name, ggml, values, bytes, acts, interleave, "
+                             f"dequantize, dot): {line!r}")
+        record = QuantType(fields[0], int(fields[1]), int(fields[2]), int(fields[3]), fields[4], int(fields[5]))
         if record.ggml in records:
             raise ValueError(f"{path}:{number}: a second record for GGML type {record.ggml}")
         records[record.ggml] = record
@@ -69,7 +75,7 @@ RECORDS = read_records()  # GGML id -> its record: the types with kernels
 QUANT_TYPES: tuple[GGMLQuantizationType, ...] = tuple(t for t in T if t in RECORDS)  # the same, as gguf's enum
 _PATH_CODES = {"portable": 1, "avx2": 2, "avx512": 3}  # PATH_* in csrc/quant_gemm.cpp; 0 = the fastest available
 _ERRORS = {-1: "no kernel for this type", -2: "path not available on this CPU", -3: "K is not a multiple of the block",
-           -4: "a row index is out of range"}
+           -4: "a row index is out of range", -5: "the type has no repacked layout"}
 
 
 def _path_from_env() -> int:
@@ -185,9 +191,11 @@ def _is(t: object, dtype: torch.dtype, dim: int) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype is dtype and t.dim() == dim and t.is_contiguous() and t.is_cpu
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, qtype: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, qtype: int, bias: torch.Tensor | None = None,
+           repacked: bool = False) -> torch.Tensor:
     """F.linear(x, dequantize(w), bias) with w left in its blocks: x fp32 [M, K], w uint8
-    [N, row_bytes(qtype, K)], bias fp32 [N] or None; returns fp32 [M, N].
+    [N, row_bytes(qtype, K)] (as stored, or in the repacked layout: `repacked`), bias fp32 [N]
+    or None; returns fp32 [M, N].
 
     Called per layer per step, so the checks are one expression (a few microseconds count
     when a model has 200 linears); the slow path says what is wrong."""
@@ -208,10 +216,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, qtype: int, bias: torch.Tensor | No
     try:
         args, addr = _local.args
     except AttributeError:
-        args = (ctypes.c_int64 * 9)()
+        args = (ctypes.c_int64 * 10)()
         addr = ctypes.addressof(args)
         _local.args = args, addr
-    args[:] = (qtype, _path, x.data_ptr(), w.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), M, K, N)
+    args[:] = (qtype, _path, x.data_ptr(), w.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), M, K, N,
+               int(repacked))
     rc = lib.quant_linear(addr)
     if rc:
         raise RuntimeError(f"quant_linear({r.name}): {_ERRORS.get(rc, rc)}")
@@ -230,9 +239,10 @@ def _explain(x, w, qtype, bias) -> None:
     raise AssertionError("unreachable: linear refused valid arguments")
 
 
-def dequantize_rows(w: torch.Tensor, qtype: int, K: int, rows: torch.Tensor) -> torch.Tensor:
-    """Rows `rows` (int64) of w (uint8 [N, row_bytes(qtype, K)]) as fp32 [len(rows), K],
-    exactly as gguf.quants.dequantize gives them: embedding lookups from quantised rows."""
+def dequantize_rows(w: torch.Tensor, qtype: int, K: int, rows: torch.Tensor, repacked: bool = False) -> torch.Tensor:
+    """Rows `rows` (int64) of w (uint8 [N, row_bytes(qtype, K)], as stored or repacked) as fp32
+    [len(rows), K], exactly as gguf.quants.dequantize gives them: embedding lookups from
+    quantised rows."""
     lib = _library(qtype)
     _check(w, "w", torch.uint8, 2)
     _check(rows, "rows", torch.int64, 1)
@@ -242,10 +252,35 @@ def dequantize_rows(w: torch.Tensor, qtype: int, K: int, rows: torch.Tensor) -> 
     out = torch.empty(rows.shape[0], K, dtype=torch.float32)
     if rows.numel() == 0:
         return out
-    rc = lib.quant_dequantize_rows(int(qtype), w.data_ptr(), w.shape[0], K, rows.data_ptr(), rows.shape[0],
-                                   out.data_ptr())
+    rc = lib.quant_dequantize_rows(int(qtype), w.data_ptr(), w.shape[0], K, int(repacked), rows.data_ptr(),
+                                   rows.shape[0], out.data_ptr())
     if rc == -4:
         raise IndexError(f"row index out of range for {w.shape[0]} rows")
     if rc:
         raise RuntimeError(f"quant_dequantize_rows({RECORDS[qtype].name}): {_ERRORS.get(rc, rc)}")
     return out
+
+
+def _relayout(t: QuantizedTensor, repacked: bool) -> QuantizedTensor:
+    lib = _library(t.qtype)
+    _check(t.data, "data", torch.uint8, 2)
+    out = torch.empty_like(t.data)
+    rc = lib.quant_repack(int(t.qtype), t.data.data_ptr(), t.shape[0], t.shape[1], out.data_ptr(), int(not repacked))
+    if rc:
+        raise RuntimeError(f"quant_repack({t.type_name}): {_ERRORS.get(rc, rc)}")
+    return QuantizedTensor(out, t.qtype, t.shape, t.type_name, repacked)
+
+
+def repack(t: QuantizedTensor) -> QuantizedTensor:
+    """t in its type's repacked layout (a copy), or t itself: already repacked, a type without
+    one, fewer than one group of rows, or no compiled library."""
+    r = RECORDS.get(t.qtype)
+    if t.repacked or r is None or r.interleave == 1 or t.shape[0] < r.interleave or cpu_kernels.library() is None:
+        return t
+    return _relayout(t, True)
+
+
+def as_stored(t: QuantizedTensor) -> QuantizedTensor:
+    """t with its rows as the file stores them (a copy when repacked): what slicing rows or
+    columns needs."""
+    return _relayout(t, False) if t.repacked else t

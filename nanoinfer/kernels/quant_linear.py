@@ -3,7 +3,11 @@ F16, ...), run by the kernels in csrc/quant_gemm.cpp. Activations go in and come
 
 A projection fused in the model (q, k, v; gate, up) may hold parts of different types (a
 Q4_K_M file keeps v in Q6_K): each part runs as it is stored and the outputs are joined,
-rather than copying the parts into one tensor."""
+rather than copying the parts into one tensor.
+
+Both repack their weights for the kernels when built (quant.repack: the 32-value types, rows
+interleaved 8 at a time); a head tied to the embedding is given the embedding's repacked
+table, so the two still share one copy."""
 from __future__ import annotations
 
 import torch
@@ -18,17 +22,17 @@ class QuantLinear(nn.Module):
 
     def __init__(self, parts: list[QuantizedTensor], bias: torch.Tensor | None = None):
         super().__init__()
-        self.parts = list(parts)
+        self.parts = [quant.repack(p) for p in parts]
         self.in_features = parts[0].shape[1]
         self.out_features = sum(p.shape[0] for p in parts)
-        for i, p in enumerate(parts):  # buffers: .to() and memory accounting see them; not in state_dict
+        for i, p in enumerate(self.parts):  # buffers: .to() and memory accounting see them; not in state_dict
             self.register_buffer(f"part{i}", p.data, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.float(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).float().contiguous()
-        ys = [quant.linear(x2, getattr(self, f"part{i}"), p.qtype) for i, p in enumerate(self.parts)]
+        ys = [quant.linear(x2, getattr(self, f"part{i}"), p.qtype, repacked=p.repacked) for i, p in enumerate(self.parts)]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
         if self.bias is not None:
             y += self.bias
@@ -46,12 +50,13 @@ class QuantEmbedding(nn.Module):
 
     def __init__(self, table: QuantizedTensor):
         super().__init__()
-        self.table = table
+        self.table = table = quant.repack(table)
         self.num_embeddings, self.embedding_dim = table.shape
         self.register_buffer("data", table.data, persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = quant.dequantize_rows(self.data, self.table.qtype, self.embedding_dim, ids.reshape(-1).long())
+        rows = quant.dequantize_rows(self.data, self.table.qtype, self.embedding_dim, ids.reshape(-1).long(),
+                                     self.table.repacked)
         return rows.reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:

@@ -24,7 +24,8 @@ from .batch import ForwardBatch
 def _linear(module: nn.Module) -> LinearWeights | None:
     if not isinstance(module, QuantLinear):
         return None
-    return LinearWeights([(p.qtype, getattr(module, f"part{i}")) for i, p in enumerate(module.parts)], module.bias)
+    return LinearWeights([(p.qtype, getattr(module, f"part{i}"), p.repacked) for i, p in enumerate(module.parts)],
+                         module.bias)
 
 
 # What the compiled stack computes (kernels/csrc/decoder_stack.cpp): RMSNorm layers, pre-norm or

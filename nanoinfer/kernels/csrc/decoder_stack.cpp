@@ -32,7 +32,8 @@ constexpr int kMaxParts = 3;
 struct StackPart {
     int64_t qtype;
     const uint8_t* w;
-    int64_t n;  // output columns (rows of W)
+    int64_t n;         // output columns (rows of W)
+    int64_t repacked;  // w in the type's repacked layout (quant/packed.h)
 };
 
 struct StackLinear {
@@ -84,7 +85,7 @@ int linear(const StackLinear& l, const float* x, int64_t T, int64_t K, float* y,
     for (int64_t p = 0; p < l.nparts; p++) {
         const StackPart& part = l.part[p];
         const bool quantise = p == 0 || !nanoinfer::same_acts(int(l.part[p - 1].qtype), int(part.qtype));
-        const int rc = nanoinfer::quant_linear_team(int(part.qtype), int(path), x, T, K, part.w, part.n,
+        const int rc = nanoinfer::quant_linear_team(int(part.qtype), int(path), x, T, K, part.w, part.n, part.repacked != 0,
                                                     l.bias ? l.bias + off : nullptr, y + off, ldy, acts, quantise);
         if (rc) return rc;
         off += part.n;

@@ -1,12 +1,14 @@
-// y = x W^T (+ bias) on the CPU with W kept as a GGUF file stores it: each of the N rows of W
-// is K / block_size blocks in llama.cpp's layouts (ggml-common.h), byte for byte as in the
-// file. This file is the driver (activation quantisation, threads, dispatch, the C API); what
-// each type is and how it computes lives in quant/:
+// y = x W^T (+ bias) on the CPU with W kept in a GGUF file's blocks: each of the N rows of W is
+// K / block_size blocks in llama.cpp's layouts (ggml-common.h), byte for byte as in the file,
+// or (the 32-value types) the same bytes repacked at load into groups of 8 interleaved rows.
+// This file is the driver (activation quantisation, threads, dispatch, the C API); what each
+// type is and how it computes lives in quant/:
 //   quant/types.def   one record per type (GGML id, block values and bytes, activation format,
-//                     dequantize and dot functions); the Python side, nanoinfer/kernels/quant.py,
-//                     reads the same records
-//   quant/types.h     the records as C++: type ids, block_values, block_bytes, acts_of
+//                     repacked layout, dequantize and dot functions); the Python side,
+//                     nanoinfer/kernels/quant.py, reads the same records
+//   quant/types.h     the records as C++: type ids, block_values, block_bytes, acts_of, interleave_of
 //   quant/kernel.h    what every kernel sees: Ctx, ActsRow, fp16 conversion, madd, opaque sums
+//   quant/packed.h    the repacked layout: 8 rows' blocks interleaved 4 values at a time
 //   quant/portable.h  each type's block layout, dequantisation and dot in plain C++: the
 //                     definition every path matches, and the fallback of every path
 //   quant/x86_avx2.h, quant/x86_avx512.h   the SIMD paths, each listing the types it covers
@@ -15,7 +17,8 @@
 // As llama.cpp does, the activations are quantised per block first, so that a block's dot
 // product is an exact integer sum and the float work is a multiply-add per block; the record's
 // `acts` says how:
-//   q8_0 (Q8_0, Q4_0, Q5_0)  per 32 values d = max|x| / 127 and int8 q = rint(x / d)
+//   q8_0 (Q8_0, Q4_0, Q5_0)  per 32 values d = max|x| / 127 and int8 q = rint(x / d), and the
+//                            integer sum(q) (what a repacked kernel takes off for an offset weight)
 //   q8_1 (Q4_1, Q5_1)        q8_0 plus s = d * sum(q) (the weight's min times s)
 //   q8_K32, q8_K16 (Q4_K, Q5_K; Q6_K)  per 256 values one d, int8 q, and the sums of q per 32
 //                            (Q4_K, Q5_K: times the sub-block mins) or per 16 (Q6_K: its -32)
@@ -29,23 +32,24 @@
 // each function it inlines into; the sums that matter are fused multiply-adds (which it
 // cannot reassociate) and horizontal sums whose partial results pass through `opaque`.
 //
-// Three paths, chosen at run time: AVX-512 (F, BW, VL and VNNI: the 32-value block types;
-// the others run their AVX2 code there), AVX2 (+FMA, F16C) and portable C++; the SIMD ones
-// are functions compiled with a target attribute, so the file builds anywhere. A type a path
-// has no kernel for runs its portable dot there. They compute the same integers and the same
-// float operations in the same order, so they agree bit for bit (up to the sign of a zero):
-// per output of a 32-block type, 8 lanes each take one fused multiply-add per block (lane j:
-// d_w * d_x times the integer dot of the block's values 4j..4j+3), then the lanes are summed
-// in a fixed tree (hsum8), then (Q4_1, Q5_1) plus the chain of m_w * s_x over the blocks; per
-// output of a K-quant, 8 lanes (and 4 for the mins) each take one fused multiply-add per
-// 256-block, summed in fixed trees at the end (dotk); per output of F16/BF16, 16 lanes (k mod
-// 16) of fused multiply-adds over k, then a fixed tree. Bias last.
+// Three paths, chosen at run time: AVX-512 (F, BW, VL and VNNI: the 32-value types; the others
+// run their AVX2 code there), AVX2 (+FMA, F16C) and portable C++; the SIMD ones are functions
+// compiled with a target attribute, so the file builds anywhere. A type a path has no kernel
+// for runs its portable dot there. They compute the same integers and the same float
+// operations in the same order, so they agree bit for bit (up to the sign of a zero), in either
+// layout: per output of a 32-value type, one chain of fused multiply-adds over the blocks,
+// d_w * d_x times the block's exact integer dot (then, Q4_1 and Q5_1, m_w times s_x; a repacked
+// kernel keeps 8 outputs' chains in the lanes of one vector); per output of a K-quant, 8 lanes
+// (and 4 for the mins) each take one fused multiply-add per 256-block, summed in fixed trees at
+// the end (dotk); per output of F16/BF16, 16 lanes (k mod 16) of fused multiply-adds over k,
+// then a fixed tree. Bias last.
 //
 // Work split: rows of W in chunks of 16 per thread (OpenMP, static), only when the matrix is
 // big enough to pay for the threads (inside the decoder stack's team, always). Up to 8 rows
-// of x, each weight row is read once while every tile of (up to 4) x rows takes it from L1; a
-// single x row takes 4 or 8 weight rows at once. More rows of x: each tile of 4 sweeps a chunk
-// of 16 weight rows kept in cache.
+// of x, each weight row (a repacked group: 8 rows) is read once while every tile of (up to 4)
+// x rows takes it from L1; more rows of x: each tile of 4 sweeps a chunk of 16 weight rows
+// kept in cache. The rows of a 32-value type left as stored (a weight's last N % 8, or a weight
+// not repacked) run the portable dot.
 //
 // Layouts: x [M, K] fp32, w [N, row_bytes] uint8, bias [N] fp32 or null, y [M, N] fp32,
 // all contiguous.
@@ -56,6 +60,7 @@
 #include <vector>
 
 #include "quant/kernel.h"
+#include "quant/packed.h"
 #include "quant/portable.h"
 #include "quant/types.h"
 #if defined(QG_X86)
@@ -79,8 +84,10 @@ bool have_avx512() { return false; }
 // ---- activations ----------------------------------------------------------------------
 
 // One row in blocks of B values: d[b] = max|x| / 127, q = rint(x * 127 / max|x|) (ties to
-// even), s[b] = d[b] * sum(q) when s is given, bs = sums of q per `group` values when given.
-void quantize_row(const float* x, int64_t K, int64_t B, int8_t* q, float* d, float* s, int16_t* bs, int64_t group) {
+// even), s[b] = d[b] * sum(q) when s is given, xsum[b] = sum(q) when xsum is given, bs = sums
+// of q per `group` values when given.
+void quantize_row(const float* x, int64_t K, int64_t B, int8_t* q, float* d, float* s, int32_t* xsum, int16_t* bs,
+                  int64_t group) {
     for (int64_t b = 0; b < K / B; b++) {
         const float* xb = x + b * B;
         int8_t* qb = q + b * B;
@@ -93,10 +100,11 @@ void quantize_row(const float* x, int64_t K, int64_t B, int8_t* q, float* d, flo
             const float v = std::nearbyint(xb[i] * id);
             qb[i] = int8_t(std::max(-127.f, std::min(127.f, v)));
         }
-        if (s) {
+        if (s || xsum) {
             int32_t sum = 0;
             for (int64_t i = 0; i < B; i++) sum += qb[i];
-            s[b] = d[b] * float(sum);
+            if (s) s[b] = d[b] * float(sum);
+            if (xsum) xsum[b] = sum;
         }
         if (bs)
             for (int64_t g = 0; g < B / group; g++) {
@@ -121,12 +129,13 @@ RowsFn kernel_for(int path) {
         if (path == PATH_AVX2 || path == PATH_AVX512) return rows_avx2<T>;
 #endif
     (void)path;
+    if constexpr (interleave_of(T) == kGroup) return rows_portable_grouped<T>;
     return rows_portable<Dot>;
 }
 
 RowsFn pick(int qtype, int path) {
     switch (qtype) {
-#define QUANT_TYPE(name, ggml, values, bytes, acts, dequantize, dot) case name: return kernel_for<name, dot>(path);
+#define QUANT_TYPE(name, ggml, values, bytes, acts, interleave, dequantize, dot) case name: return kernel_for<name, dot>(path);
 #include "quant/types.def"
 #undef QUANT_TYPE
         default: return nullptr;
@@ -135,8 +144,8 @@ RowsFn pick(int qtype, int path) {
 
 // The weight rows in chunks of NCHUNK, split among the threads (each output is computed by
 // exactly one call, whatever the split). Decode-sized batches take every activation tile
-// for one weight row while it is in L1; larger ones sweep a chunk of rows (kept in L1/L2)
-// per tile of activation rows.
+// for one weight row (a repacked group: 8) while it is in L1; larger ones sweep a chunk of
+// rows (kept in L1/L2) per tile of activation rows.
 void drive(const Ctx& c, RowsFn fn) {
     const int64_t chunks = (c.N + NCHUNK - 1) / NCHUNK;
 #pragma omp for schedule(static)
@@ -147,37 +156,61 @@ void drive(const Ctx& c, RowsFn fn) {
                 for (int64_t m0 = 0; m0 < c.M; m0 += MT)
                     fn(c, n, int(std::min<int64_t>(8, n1 - n)), m0, int(std::min<int64_t>(MT, c.M - m0)));
         } else {
+            const int64_t step = c.grouped ? 8 : 2;
             for (int64_t m0 = 0; m0 < c.M; m0 += MT)
-                for (int64_t n = n0; n < n1; n += 2)
-                    fn(c, n, int(std::min<int64_t>(2, n1 - n)), m0, int(std::min<int64_t>(MT, c.M - m0)));
+                for (int64_t n = n0; n < n1; n += step)
+                    fn(c, n, int(std::min<int64_t>(step, n1 - n)), m0, int(std::min<int64_t>(MT, c.M - m0)));
         }
     }
 }
 
 // Where the quantised activations of M rows lie in one buffer: int8 values, then a scale per
-// block, then (q8_1) d * sum(q) per block, then (q8_K) sums of q per 16 values.
+// block, then (q8_1) d * sum(q) per block, then (q8_0) sum(q) per block, then (q8_K) sums of
+// q per 16 values.
 struct Acts {
     int64_t nq, nd, nbs;  // 8-byte words of each part
-    bool with_s, with_bs;
+    bool with_s, with_xsum, with_bs;
     Acts(int qtype, int64_t M, int64_t K) {
         const ActsFormat f = acts_of(qtype);
         const int64_t B = acts_block(f);
         with_s = f == ActsFormat::q8_1;
+        with_xsum = f == ActsFormat::q8_0;
         with_bs = f == ActsFormat::q8_K32 || f == ActsFormat::q8_K16;
         nq = B > 1 ? (M * K + 7) / 8 : 0;
         nd = B > 1 ? (M * (K / B) + 1) / 2 : 0;
         nbs = with_bs ? (M * K / 16 + 3) / 4 : 0;
     }
-    int64_t words() const { return nq + nd * (with_s ? 2 : 1) + nbs; }
+    int64_t words() const { return nq + nd * ((with_s ? 2 : 1) + (with_xsum ? 1 : 0)) + nbs; }
 };
 
-// out[r] = row rows[r] of w dequantised, block by block with the record's dequantize.
-template <auto Dequantize>
-void dequantize_rows(const uint8_t* w, int64_t K, int64_t B, int64_t size, const int64_t* rows, int64_t R,
+// out[r] = row rows[r] of w dequantised, block by block with the record's dequantize (a
+// repacked weight's blocks first taken back to their stored form).
+template <int T, auto Dequantize>
+void dequantize_rows(const uint8_t* w, int64_t N, int64_t K, bool repacked, const int64_t* rows, int64_t R,
                      float* out) {
+    constexpr int64_t B = block_values(T), size = block_bytes(T);
     const int64_t nb = K / B, rb = nb * size;
     for (int64_t r = 0; r < R; r++)
-        for (int64_t b = 0; b < nb; b++) Dequantize(w + rows[r] * rb + b * size, out + r * K + b * B);
+        for (int64_t b = 0; b < nb; b++) {
+            if constexpr (interleave_of(T) == kGroup) {
+                if (repacked) {
+                    uint8_t blk[size];
+                    stored_block<T>(w, rb, N - N % kGroup, rows[r], b, blk);
+                    Dequantize(blk, out + r * K + b * B);
+                    continue;
+                }
+            }
+            Dequantize(w + rows[r] * rb + b * size, out + r * K + b * B);
+        }
+}
+
+template <int T>
+int repack_type(const uint8_t* src, uint8_t* dst, int64_t N, int64_t nb, bool unpack) {
+    if constexpr (interleave_of(T) == kGroup) {
+        repack_rows<T>(src, dst, N, nb, unpack);
+        return 0;
+    }
+    return -5;
 }
 
 }  // namespace
@@ -188,12 +221,14 @@ int64_t quant_acts_bytes(int qtype, int64_t M, int64_t K) { return Acts(qtype, M
 
 bool same_acts(int a, int b) { return acts_of(a) == acts_of(b); }
 
-// Returns 0, or -1: no kernel for qtype, -2: path unavailable, -3: K not a multiple of the block.
-// Every thread of a team returns the same: the checks depend on the arguments only.
+// Returns 0, or -1: no kernel for qtype, -2: path unavailable, -3: K not a multiple of the block,
+// -5: w said to be repacked where the type has no repacked layout. Every thread of a team
+// returns the same: the checks depend on the arguments only.
 __attribute__((noinline)) int quant_linear_team(int qtype, int path, const float* x, int64_t M, int64_t K,
-                                                const uint8_t* w, int64_t N, const float* bias, float* y, int64_t ldy,
-                                                void* acts, bool quantise) {
+                                                const uint8_t* w, int64_t N, bool repacked, const float* bias, float* y,
+                                                int64_t ldy, void* acts, bool quantise) {
     if (block_bytes(qtype) == 0) return -1;
+    if (repacked && interleave_of(qtype) == 1) return -5;
     const int64_t B = block_values(qtype);
     if (K <= 0 || K % B != 0) return -3;
     if (path == PATH_BEST) path = have_avx512() ? PATH_AVX512 : have_avx2() ? PATH_AVX2 : PATH_PORTABLE;
@@ -202,8 +237,8 @@ __attribute__((noinline)) int quant_linear_team(int qtype, int path, const float
     const RowsFn fn = pick(qtype, path);
     if (M <= 0 || N <= 0) return 0;
 
-    Ctx c{M, K, N, K / B, K / B * block_bytes(qtype), w, x, nullptr, nullptr, nullptr, nullptr, bias, y, ldy,
-          M <= 2 * MT};
+    Ctx c{M, K, N, K / B, K / B * block_bytes(qtype), w, x, nullptr, nullptr, nullptr, nullptr, nullptr, bias, y, ldy,
+          M <= 2 * MT, repacked ? N - N % interleave_of(qtype) : 0};
     const ActsFormat f = acts_of(qtype);
     if (f != ActsFormat::f32) {
         const Acts a(qtype, M, K);
@@ -211,13 +246,15 @@ __attribute__((noinline)) int quant_linear_team(int qtype, int path, const float
         c.q = reinterpret_cast<const int8_t*>(p);
         c.d = reinterpret_cast<const float*>(p + a.nq);
         c.s = a.with_s ? reinterpret_cast<const float*>(p + a.nq + a.nd) : nullptr;
-        c.bs = a.with_bs ? reinterpret_cast<const int16_t*>(p + a.nq + a.nd * (a.with_s ? 2 : 1)) : nullptr;
+        c.xsum = a.with_xsum ? reinterpret_cast<const int32_t*>(p + a.nq + a.nd) : nullptr;
+        c.bs = a.with_bs ? reinterpret_cast<const int16_t*>(p + a.nq + a.nd) : nullptr;
         if (quantise) {
             const int64_t group = f == ActsFormat::q8_K16 ? 16 : 32;
 #pragma omp for schedule(static)
             for (int64_t m = 0; m < M; m++)
                 quantize_row(x + m * K, K, B, const_cast<int8_t*>(c.q) + m * K, const_cast<float*>(c.d) + m * c.nb,
                              c.s ? const_cast<float*>(c.s) + m * c.nb : nullptr,
+                             c.xsum ? const_cast<int32_t*>(c.xsum) + m * c.nb : nullptr,
                              c.bs ? const_cast<int16_t*>(c.bs) + m * (K / 16) : nullptr, group);
         }
     }
@@ -233,14 +270,15 @@ extern "C" int quant_paths() {
 }
 
 // The arguments of quant_linear, as one array of int64 (one ctypes argument converts faster
-// than nine): qtype, path (PATH_*), x, w, bias (or 0), y, M, K, N.
+// than ten): qtype, path (PATH_*), x, w, bias (or 0), y, M, K, N, repacked (w in the type's
+// repacked layout, quant/packed.h: 1; as stored: 0).
 struct LinearArgs {
     int64_t qtype, path;
     const float* x;
     const uint8_t* w;
     const float* bias;
     float* y;
-    int64_t M, K, N;
+    int64_t M, K, N, repacked;
 };
 
 // Returns 0 or the codes of quant_linear_team.
@@ -258,12 +296,13 @@ extern "C" int quant_linear(const LinearArgs* a) {
     const int64_t rb = K > 0 && K % B == 0 ? K / B * block_bytes(qtype) : 0;
     const bool parallel = N * rb * std::min<int64_t>(M, 4) >= (1 << 16) && N >= 2 * NCHUNK;
     if (!parallel)
-        return nanoinfer::quant_linear_team(qtype, int(a->path), a->x, M, K, a->w, N, a->bias, a->y, N, acts, true);
+        return nanoinfer::quant_linear_team(qtype, int(a->path), a->x, M, K, a->w, N, a->repacked != 0, a->bias, a->y,
+                                            N, acts, true);
     int rc = 0;
 #pragma omp parallel
     {
-        const int r = nanoinfer::quant_linear_team(qtype, int(a->path), a->x, M, K, a->w, N, a->bias, a->y, N, acts,
-                                                   true);
+        const int r = nanoinfer::quant_linear_team(qtype, int(a->path), a->x, M, K, a->w, N, a->repacked != 0, a->bias,
+                                                   a->y, N, acts, true);
 #pragma omp master
         rc = r;
     }
@@ -287,34 +326,51 @@ extern "C" int64_t quant_dot_peak(int path, int64_t reps) {
 }
 
 // Type records, as this library was built with them: (GGML id, values per block, bytes per
-// block) for each, up to `cap` records into out; returns how many there are (tests compare
-// them with Python's reading of quant/types.def).
+// block, interleave) for each, up to `cap` records into out; returns how many there are (tests
+// compare them with Python's reading of quant/types.def).
 extern "C" int quant_types(int64_t* out, int cap) {
     int n = 0;
-#define QUANT_TYPE(name, ggml, values, bytes, ...)                      \
-    if (n < cap) {                                                     \
-        out[3 * n] = ggml, out[3 * n + 1] = values, out[3 * n + 2] = bytes; \
-    }                                                                  \
+#define QUANT_TYPE(name, ggml, values, bytes, acts, interleave, ...)                                   \
+    if (n < cap) {                                                                                    \
+        out[4 * n] = ggml, out[4 * n + 1] = values, out[4 * n + 2] = bytes, out[4 * n + 3] = interleave; \
+    }                                                                                                 \
     n++;
 #include "quant/types.def"
 #undef QUANT_TYPE
     return n;
 }
 
-// out[r] = row rows[r] of w dequantised (K values), exactly as gguf's numpy dequantisation
-// computes it. Returns 0, -1: no kernel for qtype, -3: bad K, -4: a row out of range.
-extern "C" int quant_dequantize_rows(int qtype, const uint8_t* w, int64_t N, int64_t K, const int64_t* rows,
-                                     int64_t R, float* out) {
+// out[r] = row rows[r] of w (N rows, repacked or as stored) dequantised (K values), exactly as
+// gguf's numpy dequantisation computes it. Returns 0, -1: no kernel for qtype, -3: bad K, -4: a
+// row out of range, -5: repacked where the type has no repacked layout.
+extern "C" int quant_dequantize_rows(int qtype, const uint8_t* w, int64_t N, int64_t K, int repacked,
+                                     const int64_t* rows, int64_t R, float* out) {
     const int64_t size = block_bytes(qtype), B = block_values(qtype);
     if (size == 0) return -1;
     if (K <= 0 || K % B != 0) return -3;
+    if (repacked && interleave_of(qtype) == 1) return -5;
     for (int64_t r = 0; r < R; r++)
         if (rows[r] < 0 || rows[r] >= N) return -4;
     switch (qtype) {
-#define QUANT_TYPE(name, ggml, values, bytes, acts, dequantize, dot) \
-        case name: dequantize_rows<dequantize>(w, K, B, size, rows, R, out); break;
+#define QUANT_TYPE(name, ggml, values, bytes, acts, interleave, dequantize, dot) \
+        case name: dequantize_rows<name, dequantize>(w, N, K, repacked != 0, rows, R, out); break;
 #include "quant/types.def"
 #undef QUANT_TYPE
     }
     return 0;
+}
+
+// dst = src (N rows of K values, as stored) in the type's repacked layout (quant/packed.h), or
+// with unpack the other way. Returns 0, -1: no kernel for qtype, -3: bad K, -5: no repacked
+// layout for the type.
+extern "C" int quant_repack(int qtype, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst, int unpack) {
+    const int64_t B = block_values(qtype);
+    if (block_bytes(qtype) == 0) return -1;
+    if (K <= 0 || K % B != 0) return -3;
+    switch (qtype) {
+#define QUANT_TYPE(name, ...) case name: return repack_type<name>(src, dst, N, K / B, unpack != 0);
+#include "quant/types.def"
+#undef QUANT_TYPE
+    }
+    return -1;
 }

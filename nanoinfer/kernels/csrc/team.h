@@ -12,12 +12,12 @@ namespace nanoinfer {
 
 // Bytes of quantised activations for M rows of K values, as a weight of qtype needs them.
 int64_t quant_acts_bytes(int qtype, int64_t M, int64_t K);
-// y[m, n] (row stride ldy) = x[m] . W[n] (+ bias[n]) for W [N, K] in qtype's blocks, on `path`
-// (0: the best). `acts`: quant_acts_bytes(qtype, M, K) bytes, shared by the team; with
+// y[m, n] (row stride ldy) = x[m] . W[n] (+ bias[n]) for W [N, K] in qtype's blocks (in its
+// repacked layout when `repacked`), on `path` (0: the best). `acts`: quant_acts_bytes(qtype, M, K) bytes, shared by the team; with
 // quantise false, it already holds x quantised for a weight of the same activation format
 // (the previous part of a fused projection). Returns 0 or quant_linear's error codes.
 int quant_linear_team(int qtype, int path, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
-                      const float* bias, float* y, int64_t ldy, void* acts, bool quantise);
+                      bool repacked, const float* bias, float* y, int64_t ldy, void* acts, bool quantise);
 // The same activation quantisation for weights of types a and b.
 bool same_acts(int a, int b);
 

@@ -64,7 +64,7 @@ inline float hsum8(const float* a) {
     return opaque(t0 + t1);
 }
 
-// Everything one call works on. Activation row m: q + m * K, d and s + m * nb, bs + m * nb * 16
+// Everything one call works on. Activation row m: q + m * K, d, s and xsum + m * nb, bs + m * nb * 16
 // (sums of q per 16 values for q8_K16, per 32 for q8_K32: 8 used of 16).
 struct Ctx {
     int64_t M, K, N, nb, rb;  // nb: weight blocks per row; rb: bytes per weight row
@@ -74,10 +74,12 @@ struct Ctx {
     const float* d;
     const float* s;
     const int16_t* bs;
+    const int32_t* xsum;      // q8_0: sum(q) per block (the repacked kernels' offset for Q4_0, Q5_0, Q8_0)
     const float* bias;
     float* y;
     int64_t ldy;              // y[m, n] is y[m * ldy + n]
     bool stream;              // each weight row is read once (decode sizes): prefetch ahead
+    int64_t grouped;          // the first `grouped` rows are in the repacked layout (quant/packed.h), 0: none
 };
 
 // A path's kernel for one type: outputs y[m0 .. m0 + mt - 1, n .. n + cols - 1] (cols <= 8,

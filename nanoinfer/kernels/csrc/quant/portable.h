@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "kernel.h"
+#include "packed.h"
 #include "types.h"
 
 namespace {
@@ -126,76 +127,65 @@ void dequantizek(const uint8_t* b, float* out) {
 
 // ---- dot products: one weight row of nb blocks times one activation row ------------------
 
-// 32-blocks, per output: 8 float lanes, lane j taking one fused multiply-add per block (d_w * d_x
-// times the integer dot of the block's values 4j..4j+3), summed in hsum8's tree; Q4_1 and Q5_1
-// add the chain of m_w * s_x over the blocks.
+// 32-blocks, per output: one chain of fused multiply-adds over the blocks, block b adding
+// (d_w * d_x) times its exact integer dot (then, Q4_1 and Q5_1, m_w times s_x). One chain per
+// output is what lets the repacked kernels keep 8 outputs in the 8 lanes of one vector.
 template <int T>
-float dot32(const uint8_t* w, int64_t nb, const ActsRow& a) {
-    constexpr int64_t size = block_bytes(T);
-    constexpr bool has_min = T == Q4_1 || T == Q5_1;
-    const int8_t* x = a.q;
-    const float *xd = a.d, *xs = a.s;
-    float acc[8] = {}, mins = 0.f;
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t* blk = w + b * size;
-        int8_t q[32];
-        decode32<T>(blk, q);
-        const int8_t* xb = x + b * 32;
-        const float scale = f16(rd16(blk)) * xd[b];
-        for (int j = 0; j < 8; j++) {
-            int32_t p = 0;
-            for (int t = 0; t < 4; t++) p += int32_t(q[4 * j + t]) * xb[4 * j + t];
-            acc[j] = madd(scale, float(p), acc[j]);
-        }
-        if constexpr (has_min) mins = madd(f16(rd16(blk + 2)), xs[b], mins);
-    }
-    float v = hsum8(acc);
-    if constexpr (has_min) v = opaque(v + mins);
-    return v;
+inline float block32_step(const uint8_t* blk, const int8_t* xb, float dx, float sx, float acc) {
+    int8_t q[32];
+    decode32<T>(blk, q);
+    int32_t p = 0;
+    for (int i = 0; i < 32; i++) p += int32_t(q[i]) * xb[i];
+    acc = madd(f16(rd16(blk)) * dx, float(p), acc);
+    if constexpr (T == Q4_1 || T == Q5_1) acc = madd(f16(rd16(blk + 2)), sx, acc);
+    return acc;
 }
 
-// K-quants, per output: 8 float lanes, lane l taking values 4l..4l+3 of every 32 (the lanes of
-// the AVX2 integer sums); per 256-block each lane's exact integer sum, its sub-block scales
-// applied in integers (Q6_K: its -32 too), goes in with one fused multiply-add by d_w * d_x.
-// Q4_K and Q5_K add their mins in 4 more lanes (lane l: sub-blocks 2l and 2l + 1), one fused
-// multiply-add by -dmin_w * d_x per block. At the end the 8 lanes in hsum8's tree, plus the 4
-// in hsum4's. (Summing the lanes once per output, not once per block, is what lets a tile of
-// several x rows spend its time on the products.)
-inline float hsum4(const float* a) { return opaque(opaque(a[0] + a[2]) + opaque(a[1] + a[3])); }
+template <int T>
+float dot32(const uint8_t* w, int64_t nb, const ActsRow& a) {
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; b++)
+        acc = block32_step<T>(w + b * block_bytes(T), a.q + b * 32, a.d[b], a.s ? a.s[b] : 0.f, acc);
+    return acc;
+}
+
+// K-quants, per output: one chain of fused multiply-adds over the 256-blocks. Per block the exact
+// integers: isum, each sub-block's integer dot times its scale (Q6_K: its -32 taken off through
+// the sums of x per 16 values), and (Q4_K, Q5_K) msum, the mins times the sums of x per 32
+// values; the chain adds -(dmin_w * d_x) * msum, then (d_w * d_x) * isum.
+template <int T>
+inline float blockk_step(const uint8_t* blk, const int8_t* xb, float dx, const int16_t* sb, float acc) {
+    uint8_t q[QK];
+    decode256<T>(blk, q);
+    int32_t isum = 0;
+    if constexpr (T == Q6_K) {
+        const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+        for (int g = 0; g < 16; g++) {
+            int32_t p = 0;
+            for (int l = 0; l < 16; l++) p += int32_t(q[16 * g + l]) * xb[16 * g + l];
+            isum += sc[g] * (p - 32 * sb[g]);
+        }
+        return madd(f16(rd16(blk + 208)) * dx, float(isum), acc);
+    } else {
+        uint8_t sc[8], mn[8];
+        kscales(blk + 4, sc, mn);
+        int32_t msum = 0;
+        for (int j = 0; j < 8; j++) {
+            int32_t p = 0;
+            for (int l = 0; l < 32; l++) p += int32_t(q[32 * j + l]) * xb[32 * j + l];
+            isum += sc[j] * p;
+            msum += mn[j] * sb[j];
+        }
+        acc = madd(-(f16(rd16(blk + 2)) * dx), float(msum), acc);
+        return madd(f16(rd16(blk)) * dx, float(isum), acc);
+    }
+}
 
 template <int T>
 float dotk(const uint8_t* w, int64_t nb, const ActsRow& a) {
-    constexpr int64_t size = block_bytes(T);
-    const int8_t* x = a.q;
-    const float* xd = a.d;
-    const int16_t* bs = a.bs;
-    float acc[8] = {}, accm[4] = {};
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t* blk = w + b * size;
-        uint8_t q[QK];
-        decode256<T>(blk, q);
-        const int8_t* xb = x + b * QK;
-        const int16_t* sb = bs + b * 16;
-        int32_t lane[8] = {};
-        if constexpr (T == Q6_K) {
-            const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
-            for (int i = 0; i < QK; i++) lane[(i % 32) / 4] += sc[i / 16] * int32_t(q[i]) * xb[i];
-            for (int l = 0; l < 8; l++) lane[l] += -32 * (sc[2 * l] * sb[2 * l] + sc[2 * l + 1] * sb[2 * l + 1]);
-            const float s = f16(rd16(blk + 208)) * xd[b];
-            for (int l = 0; l < 8; l++) acc[l] = madd(s, float(lane[l]), acc[l]);
-        } else {
-            uint8_t sc[8], mn[8];
-            kscales(blk + 4, sc, mn);
-            for (int i = 0; i < QK; i++) lane[(i % 32) / 4] += sc[i / 32] * int32_t(q[i]) * xb[i];
-            const float dx = xd[b];
-            const float s = f16(rd16(blk)) * dx, sm = -(f16(rd16(blk + 2)) * dx);
-            for (int l = 0; l < 8; l++) acc[l] = madd(s, float(lane[l]), acc[l]);
-            for (int l = 0; l < 4; l++) accm[l] = madd(sm, float(mn[2 * l] * sb[2 * l] + mn[2 * l + 1] * sb[2 * l + 1]), accm[l]);
-        }
-    }
-    float v = hsum8(acc);
-    if constexpr (T != Q6_K) v = opaque(v + hsum4(accm));
-    return v;
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; b++) acc = blockk_step<T>(w + b * block_bytes(T), a.q + b * QK, a.d[b], a.bs + b * 16, acc);
+    return acc;
 }
 
 // F16 / BF16, per output: 16 lanes (k mod 16) of fused multiply-adds over k, then a fixed tree.
@@ -225,6 +215,24 @@ void rows_portable(const Ctx& c, int64_t n0, int cols, int64_t m0, int mt) {
         const float v = Dot(c.w + n * c.rb, c.nb, acts_row(c, m));
         c.y[m * c.ldy + n] = c.bias ? v + c.bias[n] : v;
     }
+}
+
+// The outputs of a type with a repacked layout, its first c.grouped rows repacked (quant/packed.h):
+// each block taken back to its stored form, then the type's dot arithmetic.
+template <int T>
+void rows_portable_grouped(const Ctx& c, int64_t n0, int cols, int64_t m0, int mt) {
+    for (int64_t n = n0; n < n0 + cols; n++)
+        for (int64_t m = m0; m < m0 + mt; m++) {
+            const ActsRow a = acts_row(c, m);
+            float acc = 0.f;
+            uint8_t blk[block_bytes(T)];
+            for (int64_t b = 0; b < c.nb; b++) {
+                stored_block<T>(c.w, c.rb, c.grouped, n, b, blk);
+                if constexpr (block_values(T) == 32) acc = block32_step<T>(blk, a.q + b * 32, a.d[b], a.s ? a.s[b] : 0.f, acc);
+                else acc = blockk_step<T>(blk, a.q + b * QK, a.d[b], a.bs + b * 16, acc);
+            }
+            c.y[m * c.ldy + n] = c.bias ? acc + c.bias[n] : acc;
+        }
 }
 
 }  // namespace

@@ -51,10 +51,22 @@ constexpr ActsFormat acts_of(int t) {
     }
 }
 
+// Rows per interleaved group of type t's repacked layout (1: rows as stored).
+constexpr int64_t interleave_of(int t) {
+    switch (t) {
+#define QUANT_TYPE(name, ggml, values, bytes, acts, interleave, ...) case name: return interleave;
+#include "types.def"
+#undef QUANT_TYPE
+        default: return 1;
+    }
+}
+
 // A record's sizes: the kernels index a row's activations by weight block, so a block of
 // quantised activations is exactly as long as the weight's block.
-#define QUANT_TYPE(name, ggml, values, bytes, acts, ...)                                               \
+#define QUANT_TYPE(name, ggml, values, bytes, acts, interleave, ...)                                   \
     static_assert(values > 0 && bytes > 0, #name ": a block has values and bytes");                  \
+    static_assert(interleave == 1 || (interleave == 8 && values > 1),                                 \
+                  #name ": the repacked layout (quant/packed.h) is 8 rows of a block type");          \
     static_assert(ActsFormat::acts == ActsFormat::f32 || acts_block(ActsFormat::acts) == values,     \
                   #name ": q8_0 and q8_1 activations come in blocks of 32 values, q8_K in 256");
 #include "types.def"

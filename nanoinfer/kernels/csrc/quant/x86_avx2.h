@@ -10,6 +10,8 @@
 #include <cstring>
 
 #include "kernel.h"
+#include "packed.h"
+#include "portable.h"
 #include "types.h"
 
 namespace {
@@ -20,14 +22,6 @@ QG_AVX2 inline float hsum8_avx2(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // a[j] + a[j + 4]
     asm("" : "+x"(s));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));                                           // s0 + s2, s1 + s3
-    asm("" : "+x"(s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return opaque(_mm_cvtss_f32(s));
-}
-
-// hsum4's tree: (a0 + a2) + (a1 + a3).
-QG_AVX2 inline float hsum4_avx2(__m128 s) {
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     asm("" : "+x"(s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return opaque(_mm_cvtss_f32(s));
@@ -49,222 +43,249 @@ QG_AVX2 inline __m256i bit_bytes(const uint8_t* p) {
     return _mm256_cmpeq_epi8(_mm256_or_si256(v, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)), _mm256_set1_epi64x(-1));
 }
 
-// A 32-block's values as int8 in element order (as decode32).
-template <int T>
-QG_AVX2 inline __m256i load32(const uint8_t* b) {
-    if constexpr (T == Q8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
-    if constexpr (T == Q4_0) return _mm256_sub_epi8(nibbles(b + 2), _mm256_set1_epi8(8));
-    if constexpr (T == Q4_1) return nibbles(b + 4);
-    if constexpr (T == Q5_0)  // no high bit: nibble | 0xf0 = nibble - 16 as int8; high bit: nibble
-        return _mm256_or_si256(nibbles(b + 6), _mm256_andnot_si256(bit_bytes(b + 2), _mm256_set1_epi8(char(0xf0))));
-    if constexpr (T == Q5_1) return _mm256_or_si256(nibbles(b + 8), _mm256_and_si256(bit_bytes(b + 4), _mm256_set1_epi8(16)));
-}
-
-// Outputs y[m0 .. m0 + R - 1, n .. n + C - 1] of a 32-block type: each weight block is decoded
-// once for the R rows; C weight rows at once give a single activation row C independent
-// chains of fused multiply-adds (one chain waits on the FMA latency). maddubs (u8 x s8 pairs
-// to int16) cannot saturate: |w| <= 128 and |x| <= 127. (Computing the scales of 8 blocks at
-// once, with the fp16 gathered into one vector, measured 10-15% slower than this.)
-// A 32-block's scale d (broadcast) and, for Q4_1 and Q5_1, its min m in lane 0 (d and m side
-// by side: one conversion).
-template <int T>
-QG_AVX2 inline void block_scales(const uint8_t* blk, __m256& dw, __m128& mw) {
-    if constexpr (T == Q4_1 || T == Q5_1) {
-        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(int32_t(rd32(blk))));
-        dw = _mm256_broadcastss_ps(dm);
-        mw = _mm_movehdup_ps(dm);
-    } else {
-        dw = _mm256_set1_ps(f16_avx2(blk));
-        mw = _mm_setzero_ps();
+// The 8 outputs of each of R rows, plus the bias (dot32's order: the bias last).
+QG_AVX2 inline void group_store(const Ctx& c, int64_t n, int64_t m0, int R, const __m256* acc) {
+    for (int i = 0; i < R; i++) {
+        __m256 v = acc[i];
+        if (c.bias) v = _mm256_add_ps(v, _mm256_loadu_ps(c.bias + n));
+        _mm256_storeu_ps(c.y + (m0 + i) * c.ldy + n, v);
     }
 }
 
-// A 32-block tile's start (x rows' values, scales and sums; zeroed accumulators, the mins in
-// lane 0 of a vector: a float array here went through general registers, slowly) and end (the
-// lanes summed in hsum8's tree, plus the mins, plus the bias), shared by the AVX2 and AVX-512 tiles.
-template <int T, int R, int C>
-QG_AVX2 inline void tile32_start(const Ctx& c, int64_t m0, const int8_t** xq, const float** xd, const float** xs,
-                                 __m256 (&acc)[C][R], __m128 (&mins)[C][R]) {
+// 4 activation bytes in every 32-bit lane (vbroadcastss: a load, no shuffle).
+QG_AVX2 inline __m256i bcast4(const int8_t* p) { return _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(p))); }
+
+// The repacked layout's offsets (quant/packed.h): a 32-value type's weights come in unsigned
+// (Q4_0's nibble, Q5_0's 5 bits) and the offset (8, 16) times the block's sum of x is taken
+// off the integer dot; log2 of the offset, -1 for none.
+template <int T>
+constexpr int kOffsetShift = T == Q4_0 ? 3 : T == Q5_0 ? 4 : -1;
+
+// Outputs y[m0 .. m0 + R - 1, n .. n + 7] of a 32-value type in the repacked layout, n a
+// group's first row: lane j of each vector is output n + j. Per block, 4 activation values
+// broadcast to every lane meet 4 values of each of the 8 rows in one vpmaddubsw; the int16
+// sums of a block stay exact (4-bit: 8 products of at most 15 * 127 per lane; Q5: 4 of 31 *
+// 127 per partial sum), one vpmaddwd makes them the lane's int32 dot, and one fused
+// multiply-add per row adds the block for 8 outputs: dot32's arithmetic, lane by lane. Q8_0
+// is signed: vpsignb moves its signs onto x (|w| <= 128, so a pair stays in int16) and each
+// vector's pairs are summed in int32.
+template <int T, int R, bool PF>
+QG_AVX2 void group32_avx2(const Ctx& c, int64_t n, int64_t m0) {
+    using L = Packed32<T>;
+    constexpr bool has_min = L::has_min, has_qh = L::has_qh;
+    constexpr int shift = kOffsetShift<T>;
+    const uint8_t* g = c.w + n * c.rb;
+    const int8_t* xq[R];
+    const float *xd[R], *xs[R];
+    const int32_t* xo[R];
+    __m256 acc[R];
     for (int i = 0; i < R; i++) {
         xq[i] = c.q + (m0 + i) * c.K;
         xd[i] = c.d + (m0 + i) * c.nb;
-        xs[i] = T == Q4_1 || T == Q5_1 ? c.s + (m0 + i) * c.nb : nullptr;
-        for (int j = 0; j < C; j++) {
-            acc[j][i] = _mm256_setzero_ps();
-            mins[j][i] = _mm_setzero_ps();
-        }
+        xs[i] = has_min ? c.s + (m0 + i) * c.nb : nullptr;
+        xo[i] = shift >= 0 ? c.xsum + (m0 + i) * c.nb : nullptr;
+        acc[i] = _mm256_setzero_ps();
     }
-}
-
-template <int T, int R, int C>
-QG_AVX2 inline void tile32_store(const Ctx& c, int64_t n, int64_t m0, __m256 (&acc)[C][R], __m128 (&mins)[C][R]) {
-    for (int j = 0; j < C; j++)
-        for (int i = 0; i < R; i++) {
-            float v = hsum8_avx2(acc[j][i]);
-            if constexpr (T == Q4_1 || T == Q5_1) v = opaque(v + _mm_cvtss_f32(mins[j][i]));
-            c.y[(m0 + i) * c.ldy + n + j] = c.bias ? v + c.bias[n + j] : v;
-        }
-}
-
-template <int T, int R, int C, bool PF>
-QG_AVX2 void tile32_avx2(const Ctx& c, int64_t n, int64_t m0) {
-    constexpr int64_t size = block_bytes(T);
-    constexpr bool has_min = T == Q4_1 || T == Q5_1, is_signed = !has_min;
-    const uint8_t* w = c.w + n * c.rb;
-    const int8_t* xq[R];
-    const float *xd[R], *xs[R];
-    __m256 acc[C][R];
-    __m128 mins[C][R];
-    tile32_start<T, R, C>(c, m0, xq, xd, xs, acc, mins);
-    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     for (int64_t b = 0; b < c.nb; b++) {
-        __m256i xv[R];  // this block of each x row, its scale and (Q4_1, Q5_1) its sum: loaded once for the C rows
-        __m256 xdb[R];
-        __m128 xsb[R];
-        for (int i = 0; i < R; i++) {
-            xv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[i] + b * 32));
-            xdb[i] = _mm256_broadcast_ss(xd[i] + b);
-            if constexpr (has_min) xsb[i] = _mm_load_ss(xs[i] + b);
-        }
-        for (int j = 0; j < C; j++) {
-            const uint8_t* blk = w + j * c.rb + b * size;
-            if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch), _MM_HINT_T0);
-            __m256 dw;
-            __m128 mw;
-            block_scales<T>(blk, dw, mw);
-            const __m256i wv = load32<T>(blk);
-            const __m256i aw = is_signed ? _mm256_sign_epi8(wv, wv) : wv;
+        const uint8_t* gb = g + b * L::group_bytes;
+        if constexpr (PF)
+            for (int o = 0; o < L::group_bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(gb + kPrefetch + o), _MM_HINT_T0);
+        __m256i p[R];
+        if constexpr (T == Q8_0) {
+            for (int i = 0; i < R; i++) p[i] = _mm256_setzero_si256();
+            for (int v = 0; v < 8; v++) {
+                const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + L::qs + 32 * v));
+                const __m256i aw = _mm256_sign_epi8(wv, wv);
+                for (int i = 0; i < R; i++) {
+                    p[i] = _mm256_add_epi32(p[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(bcast4(xq[i] + b * 32 + 4 * v), wv)), ones));
+                    asm("" : "+x"(p[i]));
+                }
+            }
+        } else {
+            __m256i s0[R], s1[R];
+            for (int i = 0; i < R; i++) s0[i] = s1[i] = _mm256_setzero_si256();
+            for (int v = 0; v < 4; v++) {
+                const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + L::qs + 32 * v));
+                __m256i lo = _mm256_and_si256(qv, low), hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), low);
+                if constexpr (has_qh) {
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(bit_bytes(gb + L::qh + 4 * v), _mm256_set1_epi8(16)));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(bit_bytes(gb + L::qh + 16 + 4 * v), _mm256_set1_epi8(16)));
+                }
+                for (int i = 0; i < R; i++) {
+                    const int8_t* x = xq[i] + b * 32;
+                    __m256i& s = has_qh && v >= 2 ? s1[i] : s0[i];
+                    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo, bcast4(x + 4 * v)));
+                    s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi, bcast4(x + 16 + 4 * v)));
+                    asm("" : "+x"(s));  // summed as it goes: a tree of the products spills registers
+                }
+            }
             for (int i = 0; i < R; i++) {
-                const __m256i xs8 = is_signed ? _mm256_sign_epi8(xv[i], wv) : xv[i];
-                const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs8), ones);
-                const __m256 scale = _mm256_mul_ps(dw, xdb[i]);
-                acc[j][i] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(p), acc[j][i]);
-                if constexpr (has_min) mins[j][i] = _mm_fmadd_ss(mw, xsb[i], mins[j][i]);
+                p[i] = _mm256_madd_epi16(s0[i], ones);
+                if constexpr (has_qh) p[i] = _mm256_add_epi32(p[i], _mm256_madd_epi16(s1[i], ones));
+                if constexpr (shift >= 0) p[i] = _mm256_sub_epi32(p[i], _mm256_set1_epi32(xo[i][b] * (1 << shift)));
             }
         }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb)));
+        for (int i = 0; i < R; i++) acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_broadcast_ss(xd[i] + b)), _mm256_cvtepi32_ps(p[i]), acc[i]);
+        if constexpr (has_min) {
+            const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + L::m)));
+            for (int i = 0; i < R; i++) acc[i] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(xs[i] + b), acc[i]);
+        }
     }
-    tile32_store<T, R, C>(c, n, m0, acc, mins);
+    group_store(c, n, m0, R, acc);
 }
 
-// vpshufb patterns: Q6_K's int8 scales g, g + 1 each 8 times (g even).
-alignas(16) const uint8_t kPairShuffle[8][16] = {
-#define QG_PAIR(g) g, g, g, g, g, g, g, g, g + 1, g + 1, g + 1, g + 1, g + 1, g + 1, g + 1, g + 1
-    {QG_PAIR(0)}, {QG_PAIR(2)}, {QG_PAIR(4)}, {QG_PAIR(6)}, {QG_PAIR(8)}, {QG_PAIR(10)}, {QG_PAIR(12)}, {QG_PAIR(14)},
-#undef QG_PAIR
+// vpshufb patterns, per 32-bit lane (row) of a vector holding 4 bytes per row: byte k as two
+// int16 (zero-extended: kByte16[k]; in the high halves, for an arithmetic shift to sign-extend
+// it: kByteHi16[k]), and bytes k, k + 1 as an int16 pair (kPair16[k / 2]; high halves: kPairHi16).
+#define QG_LANES(a, b, c, d) a, b, c, d, 4 + a, 4 + b, 4 + c, 4 + d, 8 + a, 8 + b, 8 + c, 8 + d, 12 + a, 12 + b, 12 + c, 12 + d
+alignas(32) const uint8_t kByte16[4][32] = {
+#define QG_B(k) {QG_LANES(k, 0x80, k, 0x80), QG_LANES(k, 0x80, k, 0x80)}
+    QG_B(0), QG_B(1), QG_B(2), QG_B(3),
+#undef QG_B
 };
-
-// vpshufb patterns: Q4_K's and Q5_K's int16 scale j (bytes 2j, 2j + 1) in every lane.
-alignas(32) const uint8_t kScaleShuffle[8][32] = {
-#define QG_SCALE(j) 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, \
-    2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1
-    {QG_SCALE(0), QG_SCALE(0)}, {QG_SCALE(1), QG_SCALE(1)}, {QG_SCALE(2), QG_SCALE(2)}, {QG_SCALE(3), QG_SCALE(3)},
-    {QG_SCALE(4), QG_SCALE(4)}, {QG_SCALE(5), QG_SCALE(5)}, {QG_SCALE(6), QG_SCALE(6)}, {QG_SCALE(7), QG_SCALE(7)},
-#undef QG_SCALE
+alignas(32) const uint8_t kByteHi16[4][32] = {
+#define QG_B(k) {QG_LANES(0x80, k, 0x80, k), QG_LANES(0x80, k, 0x80, k)}
+    QG_B(0), QG_B(1), QG_B(2), QG_B(3),
+#undef QG_B
 };
+alignas(32) const uint8_t kPair16[2][32] = {
+    {QG_LANES(0, 0x80, 1, 0x80), QG_LANES(0, 0x80, 1, 0x80)}, {QG_LANES(2, 0x80, 3, 0x80), QG_LANES(2, 0x80, 3, 0x80)},
+};
+alignas(32) const uint8_t kPairHi16[2][32] = {
+    {QG_LANES(0x80, 0, 0x80, 1), QG_LANES(0x80, 0, 0x80, 1)}, {QG_LANES(0x80, 2, 0x80, 3), QG_LANES(0x80, 2, 0x80, 3)},
+};
+#undef QG_LANES
 
-// K-quants: per 256-block the exact integer sums of each lane (scales applied in integers),
-// then one fused multiply-add per lane (and one for the 4 min lanes), as dotk_portable.
+QG_AVX2 inline __m256i pick_bytes(__m256i v, const uint8_t* pattern) {
+    return _mm256_shuffle_epi8(v, _mm256_load_si256(reinterpret_cast<const __m256i*>(pattern)));
+}
+
+// The high bit of the 5-bit values of sub-block j, at bit 4 of each byte (Q5_K: bit j of qh).
+QG_AVX2 inline __m256i qh_bit(__m256i h, int j) {
+    const __m256i b = j < 4 ? _mm256_slli_epi16(h, 4 - j) : _mm256_srli_epi16(h, j - 4);
+    return _mm256_and_si256(b, _mm256_set1_epi8(16));
+}
+
+// K-quants in the repacked layout: outputs y[m0 .. m0 + R - 1, n .. n + 7] as dotk computes
+// them, lane j of each vector output n + j. Per sub-block, 4 activation values broadcast to
+// every lane meet 4 values of each of the 8 rows (vpmaddubsw, summed in int16 while exact:
+// Q4_K 8 products of at most 15 * 127, Q5_K 4 of 31 * 127, Q6_K 2 of 63 * 127), then
+// vpmaddwd by the row's scale makes the lane's int32; the mins (Q4_K, Q5_K) and Q6_K's -32
+// take one vpmaddwd per two sub-blocks against the activations' sums.
 template <int T, int R, bool PF>
-QG_AVX2 void tilek_avx2(const Ctx& c, int64_t n, int64_t m0) {
-    constexpr int64_t S = block_bytes(T);
-    const uint8_t* w = c.w + n * c.rb;
+QG_AVX2 void groupk_avx2(const Ctx& c, int64_t n, int64_t m0) {
+    using L = PackedK<T>;
+    const uint8_t* g = c.w + n * c.rb;
     const int8_t* xq[R];
     const float* xd[R];
     const int16_t* xb[R];
     __m256 acc[R];
-    __m128 accm[R];
     for (int i = 0; i < R; i++) {
         xq[i] = c.q + (m0 + i) * c.K;
         xd[i] = c.d + (m0 + i) * c.nb;
         xb[i] = c.bs + (m0 + i) * c.nb * 16;
         acc[i] = _mm256_setzero_ps();
-        accm[i] = _mm_setzero_ps();
     }
     const __m256i low = _mm256_set1_epi8(15);
     for (int64_t b = 0; b < c.nb; b++) {
-        const uint8_t* blk = w + b * S;
-        if constexpr (PF)  // a K-quant block spans 3-4 cache lines
-            for (int64_t o = 0; o < S; o += 64) _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch + o), _MM_HINT_T0);
+        const uint8_t* gb = g + b * L::group_bytes;
+        if constexpr (PF)
+            for (int o = 0; o < L::group_bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(gb + kPrefetch + o), _MM_HINT_T0);
         __m256i isum[R];
         for (int i = 0; i < R; i++) isum[i] = _mm256_setzero_si256();
         if constexpr (T == Q6_K) {
-            const uint8_t *ql = blk, *qh = blk + 128;
-            const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
-            for (int h = 0; h < 2; h++) {
-                const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h));
-                const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 64 * h + 32));
-                const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h));
-                __m256i q[4];
-                q[0] = _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_slli_epi16(_mm256_and_si256(hv, _mm256_set1_epi8(3)), 4));
-                q[1] = _mm256_or_si256(_mm256_and_si256(l1, low), _mm256_slli_epi16(_mm256_and_si256(hv, _mm256_set1_epi8(12)), 2));
-                q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), _mm256_and_si256(hv, _mm256_set1_epi8(48)));
-                q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
-                                       _mm256_srli_epi16(_mm256_and_si256(hv, _mm256_set1_epi8(char(192))), 2));
-                for (int t = 0; t < 4; t++) {  // values 128h + 32t .. +31: scales 8h + 2t (first 16), 8h + 2t + 1
-                    const __m256i scv = _mm256_cvtepi8_epi16(
-                        _mm_shuffle_epi8(sc8, _mm_load_si128(reinterpret_cast<const __m128i*>(kPairShuffle[4 * h + t]))));
-                    for (int i = 0; i < R; i++) {
-                        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[i] + b * QK + 128 * h + 32 * t));
-                        isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(q[t], xv), scv));
+            __m256i S[4];
+            for (int w = 0; w < 4; w++) S[w] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + L::q6_sc + 32 * w));
+            for (int h = 0; h < 2; h++)
+                for (int t = 0; t < 4; t++) {  // values 128h + 32t + 4v + (0..3): groups 8h + 2t (v < 4), 8h + 2t + 1
+                    const uint8_t* ql = gb + 32 * 8 * (2 * h + (t & 1));
+                    const uint8_t* qh = gb + L::q6_qh + 32 * 8 * h;
+                    for (int half = 0; half < 2; half++) {
+                        const int grp = 8 * h + 2 * t + half;
+                        const __m256i sc = _mm256_srai_epi16(pick_bytes(S[grp / 4], kByteHi16[grp % 4]), 8);
+                        for (int pair = 0; pair < 2; pair++) {
+                            __m256i s[R];
+                            for (int i = 0; i < R; i++) s[i] = _mm256_setzero_si256();
+                            for (int u = 0; u < 2; u++) {
+                                const int v = 4 * half + 2 * pair + u;
+                                const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32 * v));
+                                const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * v));
+                                const __m256i lo4 = _mm256_and_si256(t >> 1 ? _mm256_srli_epi16(l, 4) : l, low);
+                                const __m256i hi2 = _mm256_and_si256(2 * t < 4 ? _mm256_slli_epi16(hb, 4 - 2 * t)
+                                                                               : _mm256_srli_epi16(hb, 2 * t - 4),
+                                                                     _mm256_set1_epi8(0x30));
+                                const __m256i wv = _mm256_or_si256(lo4, hi2);
+                                for (int i = 0; i < R; i++) {
+                                    s[i] = _mm256_add_epi16(s[i], _mm256_maddubs_epi16(wv, bcast4(xq[i] + b * QK + 128 * h + 32 * t + 4 * v)));
+                                    asm("" : "+x"(s[i]));
+                                }
+                            }
+                            for (int i = 0; i < R; i++) isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(s[i], sc));
+                        }
                     }
                 }
-            }
-            // the -32 offset: - 32 * sum_g sc[g] * (sum of x over group g)
-            const __m256i sc32 = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(sc8), _mm256_set1_epi16(-32));
-            const float d = f16_avx2(blk + 208);
+            // - 32 * sum_g sc_g * (the sum of x over group g)
             for (int i = 0; i < R; i++) {
-                const __m256i sums = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb[i] + b * 16));
-                const __m256i t = _mm256_add_epi32(isum[i], _mm256_madd_epi16(sums, sc32));
-                acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[i][b]), _mm256_cvtepi32_ps(t), acc[i]);
+                __m256i off = _mm256_setzero_si256();
+                for (int p = 0; p < 8; p++) {
+                    const __m256i scp = _mm256_srai_epi16(pick_bytes(S[p / 2], kPairHi16[p % 2]), 8);
+                    off = _mm256_add_epi32(off, _mm256_madd_epi16(scp, bcast4(reinterpret_cast<const int8_t*>(xb[i] + b * 16 + 2 * p))));
+                }
+                isum[i] = _mm256_sub_epi32(isum[i], _mm256_slli_epi32(off, 5));
             }
+            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + L::q6_d)));
+            for (int i = 0; i < R; i++)
+                acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(dv, _mm256_broadcast_ss(xd[i] + b)), _mm256_cvtepi32_ps(isum[i]), acc[i]);
         } else {
-            // the 8 scales and 8 mins as int16 in one vector (kscales' unpacking on 32-bit
-            // words); sub-block j's scale is picked out of it with one vpshufb
-            uint32_t u[3];
-            std::memcpy(u, blk + 4, 12);
-            const uint32_t m6 = 0x3f3f3f3f, m4 = 0x0f0f0f0f, m2 = 0x03030303;
-            const __m256i sm16 = _mm256_cvtepu8_epi16(
-                _mm_setr_epi32(int32_t(u[0] & m6), int32_t((u[2] & m4) | (((u[0] >> 6) & m2) << 4)), int32_t(u[1] & m6),
-                               int32_t(((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4))));
-            const __m256i sc16 = _mm256_permute2x128_si256(sm16, sm16, 0x00);
-            const __m128i mn16 = _mm256_extracti128_si256(sm16, 1);
-            const uint8_t* qs = blk + (T == Q5_K ? 48 : 16);
-            __m256i hb = _mm256_setzero_si256();
-            if constexpr (T == Q5_K) hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
-            for (int c = 0; c < 4; c++) {
-                const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
-                for (int h = 0; h < 2; h++) {
-                    const int j = 2 * c + h;
-                    __m256i wv = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, low);
-                    if constexpr (T == Q5_K) {  // bit j of each qh byte: bit 0 after j shifts, moved to bit 4
-                        wv = _mm256_or_si256(wv, _mm256_and_si256(_mm256_slli_epi16(hb, 4), _mm256_set1_epi8(16)));
-                        hb = _mm256_srli_epi16(hb, 1);
-                    }
-                    const __m256i scv = _mm256_shuffle_epi8(
-                        sc16, _mm256_load_si256(reinterpret_cast<const __m256i*>(kScaleShuffle[j])));
-                    for (int i = 0; i < R; i++) {
-                        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[i] + b * QK + 32 * j));
-                        isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), scv));
-                    }
+            // the 6-bit scales and mins of 8 rows at once (kscales on 32-bit lanes): lane j of
+            // sc_lo holds row j's scales 0..3 as bytes, sc_hi 4..7; the same for the mins
+            const __m256i A = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + L::sc));
+            const __m256i B = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + L::sc + 32));
+            const __m256i C = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + L::sc + 64));
+            const __m256i m6 = _mm256_set1_epi8(0x3f), m2 = _mm256_set1_epi8(3);
+            const __m256i sc_lo = _mm256_and_si256(A, m6), mn_lo = _mm256_and_si256(B, m6);
+            const __m256i sc_hi = _mm256_or_si256(_mm256_and_si256(C, low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(A, 6), m2), 4));
+            const __m256i mn_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(C, 4), low),
+                                                  _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(B, 6), m2), 4));
+            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb)));
+            const __m256 dmv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 16)));
+            {  // the mins first: -(dmin * d_x) * sum_j m_j * (the sum of x over sub-block j)
+                const __m256i mp[4] = {pick_bytes(mn_lo, kPair16[0]), pick_bytes(mn_lo, kPair16[1]),
+                                       pick_bytes(mn_hi, kPair16[0]), pick_bytes(mn_hi, kPair16[1])};
+                for (int i = 0; i < R; i++) {
+                    __m256i ms = _mm256_setzero_si256();
+                    for (int p = 0; p < 4; p++)
+                        ms = _mm256_add_epi32(ms, _mm256_madd_epi16(mp[p], bcast4(reinterpret_cast<const int8_t*>(xb[i] + b * 16 + 2 * p))));
+                    acc[i] = _mm256_fnmadd_ps(_mm256_mul_ps(dmv, _mm256_broadcast_ss(xd[i] + b)), _mm256_cvtepi32_ps(ms), acc[i]);
                 }
             }
-            // d and dmin converted together; -(dmin * dx) is (-dmin) * dx exactly
-            const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128(int32_t(rd32(blk))));
-            const __m256 dv = _mm256_broadcastss_ps(dd);
-            const __m128 ndmin = _mm_xor_ps(_mm_permute_ps(dd, 0x55), _mm_set1_ps(-0.0f));
-            for (int i = 0; i < R; i++) {
-                const __m128i sums = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xb[i] + b * 16));
-                const __m128 dx = _mm_broadcast_ss(xd[i] + b);
-                acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(dv, _mm256_set_m128(dx, dx)), _mm256_cvtepi32_ps(isum[i]), acc[i]);
-                accm[i] = _mm_fmadd_ps(_mm_mul_ps(ndmin, dx), _mm_cvtepi32_ps(_mm_madd_epi16(mn16, sums)), accm[i]);
+            for (int j = 0; j < 8; j++) {
+                const __m256i sc = pick_bytes(j < 4 ? sc_lo : sc_hi, kByte16[j & 3]);
+                __m256i s0[R], s1[R];
+                for (int i = 0; i < R; i++) s0[i] = s1[i] = _mm256_setzero_si256();
+                for (int v = 0; v < 8; v++) {
+                    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + L::qs + 32 * (8 * (j / 2) + v)));
+                    __m256i wv = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(q, 4) : q, low);
+                    if constexpr (T == Q5_K)
+                        wv = _mm256_or_si256(wv, qh_bit(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + L::qh + 32 * v)), j));
+                    for (int i = 0; i < R; i++) {
+                        __m256i& s = T == Q5_K && v >= 4 ? s1[i] : s0[i];
+                        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(wv, bcast4(xq[i] + b * QK + 32 * j + 4 * v)));
+                        asm("" : "+x"(s));
+                    }
+                }
+                for (int i = 0; i < R; i++) {
+                    isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(s0[i], sc));
+                    if constexpr (T == Q5_K) isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(s1[i], sc));
+                }
             }
+            for (int i = 0; i < R; i++)
+                acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(dv, _mm256_broadcast_ss(xd[i] + b)), _mm256_cvtepi32_ps(isum[i]), acc[i]);
         }
     }
-    for (int i = 0; i < R; i++) {
-        float v = hsum8_avx2(acc[i]);
-        if constexpr (T != Q6_K) v = opaque(v + hsum4_avx2(accm[i]));
-        c.y[(m0 + i) * c.ldy + n] = c.bias ? v + c.bias[n] : v;
-    }
+    group_store(c, n, m0, R, acc);
 }
 
 template <bool BF>
@@ -315,9 +336,9 @@ QG_AVX2 void tile16_avx2(const Ctx& c, int64_t n, int64_t m0) {
 
 template <int T, int R, bool PF>
 QG_AVX2 void tile_avx2(const Ctx& c, int64_t n, int64_t m0) {
-    if constexpr (T == F16 || T == BF16) tile16_avx2<T == BF16, R, PF>(c, n, m0);
-    else if constexpr (T == Q4_K || T == Q5_K || T == Q6_K) tilek_avx2<T, R, PF>(c, n, m0);
-    else tile32_avx2<T, R, 1, PF>(c, n, m0);
+    if constexpr (interleave_of(T) == kGroup && block_values(T) == 32) group32_avx2<T, R, PF>(c, n, m0);
+    else if constexpr (interleave_of(T) == kGroup) groupk_avx2<T, R, PF>(c, n, m0);
+    else tile16_avx2<T == BF16, R, PF>(c, n, m0);
 }
 
 template <int T, bool PF>
@@ -330,22 +351,16 @@ QG_AVX2 void tiles_avx2(const Ctx& c, int64_t n, int64_t m0, int mt) {
     }
 }
 
-// Outputs y[m0 .. m0 + mt - 1, n .. n + cols - 1] (cols 1 to 8). A single row of x takes 4
-// weight rows at once (8 for Q8_0; measured best, streaming a model's weights from memory).
-// Decode sizes prefetch (a template flag: the branch alone slowed the prefill tiles by 25%).
+// Outputs y[m0 .. m0 + mt - 1, n .. n + cols - 1] (cols 1 to 8). A repacked group takes all
+// 8 at once; rows of a repacked type left as stored (a weight's last N % 8) run the portable
+// dot. Decode sizes prefetch (a template flag: the branch alone slowed the prefill tiles by 25%).
 template <int T>
 QG_AVX2 void rows_avx2(const Ctx& c, int64_t n, int cols, int64_t m0, int mt) {
-    if (!c.stream) {
-        for (int j = 0; j < cols; j++) tiles_avx2<T, false>(c, n + j, m0, mt);
-        return;
+    if constexpr (interleave_of(T) == kGroup) {
+        if (n >= c.grouped) return rows_portable_grouped<T>(c, n, cols, m0, mt);
+        return c.stream ? tiles_avx2<T, true>(c, n, m0, mt) : tiles_avx2<T, false>(c, n, m0, mt);
     }
-    if constexpr (!(T == F16 || T == BF16 || T == Q4_K || T == Q5_K || T == Q6_K))
-        if (mt == 1) {
-            if (T == Q8_0 && cols == 8) return tile32_avx2<T, 1, 8, true>(c, n, m0);
-            for (; cols >= 4; cols -= 4, n += 4) tile32_avx2<T, 1, 4, true>(c, n, m0);
-            for (; cols >= 2; cols -= 2, n += 2) tile32_avx2<T, 1, 2, true>(c, n, m0);
-        }
-    for (int j = 0; j < cols; j++) tiles_avx2<T, true>(c, n + j, m0, mt);
+    for (int j = 0; j < cols; j++) c.stream ? tiles_avx2<T, true>(c, n + j, m0, mt) : tiles_avx2<T, false>(c, n + j, m0, mt);
 }
 
 // The 8-bit dot peak of one thread on this path (the roofline's denominator for block
