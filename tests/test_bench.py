@@ -432,6 +432,31 @@ def test_bench_latency_compare_llama_cpp(stub_llama_cpp, tiny_gguf, capsys, monk
     assert "against llama.cpp 0.0-stub" in out and "median" in out
 
 
+def test_compare_several_files_and_prompt_lengths(stub_llama_cpp, tiny_gguf, capsys, monkeypatch, tmp_path):
+    """--also adds files and --prompt-len takes a list: each (file, length) is compared in turn,
+    llama.cpp loading that file with prompts of that length, and a summary table ends the run."""
+    import shutil
+    import sys
+
+    path, _ = tiny_gguf
+    other = tmp_path / "other.gguf"
+    shutil.copy(path, other)
+    monkeypatch.setenv("NANOINFER_LLAMA_CPP_PYTHON", sys.executable)
+    doc, out = run_bench(capsys, ["latency", "--model", str(path), "--also", str(other), "--prompt-len", "6,8",
+                                  "--decode-len", "3", "--compare", "llama.cpp", "--runs", "1", "--threads", "1",
+                                  *PEAKS])
+    cs = doc["compares"]
+    assert [(c["model"], c["prompt_len"]) for c in cs] == [(str(path), 6), (str(path), 8), (str(other), 6),
+                                                          (str(other), 8)]
+    assert doc["compare"] == cs[0]
+    log = [json.loads(x) for x in stub_llama_cpp.read_text().splitlines()]
+    assert [len(e["eval"]) for e in log if "eval" in e] == [6, 6, 8, 8, 6, 6, 8, 8]  # warm-up and timed, per run
+    assert "every file against llama.cpp" in out and "other.gguf" in out
+    for argv in (["--prompt-len", "4,8"], ["--also", str(other)]):  # both go with --compare only
+        assert main(["latency", "--model", str(path), "--decode-len", "2", *argv, *PEAKS]) == 1
+        assert "--compare" in capsys.readouterr().err
+
+
 def test_compare_llama_cpp_errors(stub_llama_cpp, tiny_gguf, make_hf_model, tmp_path, capsys, monkeypatch):
     import sys
 

@@ -2,7 +2,7 @@
 for: the same tokens and the same logprob bits, for every Llama-family feature it carries
 (q/k/v bias, q/k norms, a sliding window, grouped-query attention, tied heads, SmolLM3's NoPE
 layers, Phi-3's fused checkpoints and LongRoPE, Gemma 2 and 3's sandwich norms, GELU MLP,
-soft-caps and local rotary tables), in batches
+soft-caps and local rotary tables, OLMo 2's post-norm layers and q/k norms over all heads), in batches
 with chunked prefill, on each dispatch path."""
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from gguf_export import write_gguf_from_hf
 # kind, tied head, weight type: together every branch of the stack
 CASES = [("llama", False, "Q4_1"), ("qwen2", True, "Q8_0"), ("qwen3", False, "Q5_0"), ("mistral", False, "Q4_0"),
          ("smollm3", False, "Q8_0"), ("phi3", False, "Q4_0"), ("phi3_longrope", False, "Q8_0"),
-         ("gemma2", True, "Q8_0"), ("gemma3", True, "Q4_0")]
+         ("gemma2", True, "Q8_0"), ("gemma3", True, "Q4_0"), ("olmo2", False, "Q5_1")]
 
 
 @pytest.fixture(scope="module")
@@ -153,8 +153,8 @@ def cpu_stack_unavailable() -> bool:
 
 def test_the_stack_runs_only_the_features_it_computes(ggufs, tmp_path):
     """An allow-list: a family that turns the stack on but whose layers need a feature it does not
-    compute (OLMo 2's q/k norms over all heads, an activation it has no row for, a layer class of its own) runs its
-    modules, with the module path's tokens."""
+    compute (a norm placement it does not know, an activation it has no row for, a layer class of its own) runs
+    its modules, with the module path's tokens."""
     from nanoinfer.models import stack
     from nanoinfer.models.llama import DecoderLayer
 
@@ -162,9 +162,9 @@ def test_the_stack_runs_only_the_features_it_computes(ggufs, tmp_path):
     model = llm.loaded.model
     assert stack.unsupported_features(model) == frozenset() and "qk_norm" in model.layer_features()
     expected = run(llm, False)
-    model.config.qk_norm_over_heads = True  # the stack would norm each head alone: silently wrong
-    assert stack.unsupported_features(model) == {"qk_norm_over_heads"}
-    model.config.qk_norm_over_heads = False
+    model.config.norm_layout = "peri"  # norms around each branch, which the stack does not place
+    assert stack.unsupported_features(model) == {"norm_peri"}
+    model.config.norm_layout = "pre"
     model.model.layers[1].mlp.act = "relu2"  # an activation the stack has no row for
     assert stack.unsupported_features(model) == {"mlp_relu2"}
     model.model.layers[1].mlp.act = "silu"

@@ -69,7 +69,7 @@ def test_f32_export_loads_exactly(kind, tie, make_hf_model, tiny_tokenizer_dir, 
     model, _ = make_hf_model(kind, tie)
     path = write_gguf_from_hf(model, tiny_tokenizer_dir, tmp_path / "m.gguf",
                               name="Mistral tiny" if kind == "mistral" else None)
-    cfg, state, meta = load_gguf(path)
+    cfg, state, meta, _ = load_gguf(path)
 
     expected = _expected_state(model)
     assert sorted(state) == sorted(expected)
@@ -153,7 +153,7 @@ def test_export_read_by_transformers(make_hf_model, tmp_path, kind, tie):
 def test_quantized_export(kind, tensor_type, make_hf_model, tmp_path):
     model, _ = make_hf_model(kind, False)
     path = write_gguf_from_hf(model, None, tmp_path / "q.gguf", tensor_type=tensor_type)
-    _, state, meta = load_gguf(path)
+    _, state, meta, _ = load_gguf(path)
     qtype = Q[tensor_type]
     for name, ref in _expected_state(model).items():
         w = ref.numpy()
@@ -166,7 +166,7 @@ def test_quantized_export(kind, tensor_type, make_hf_model, tmp_path):
 def test_dtype_argument(make_hf_model, tmp_path):
     model, _ = make_hf_model("qwen3", True)
     path = write_gguf_from_hf(model, None, tmp_path / "m.gguf")
-    _, state, _ = load_gguf(path, dtype=torch.bfloat16)
+    _, state, _, _ = load_gguf(path, dtype=torch.bfloat16)
     for name, ref in _expected_state(model).items():
         assert state[name].dtype == torch.bfloat16
         assert torch.equal(state[name], ref.to(torch.bfloat16)), name
@@ -233,7 +233,7 @@ def test_llama3_rope_scaling_round_trip(tmp_path):
                   num_key_value_heads=1, head_dim=128, max_position_embeddings=131072)
     hf_cfg = tf.LlamaConfig(**common, rope_theta=500000.0, rope_scaling=dict(rope))
     model = tf.LlamaForCausalLM(hf_cfg)
-    cfg, state, _ = load_gguf(write_gguf_from_hf(model, None, tmp_path / "m.gguf"))
+    cfg, state, _, _ = load_gguf(write_gguf_from_hf(model, None, tmp_path / "m.gguf"))
 
     assert sorted(state) == sorted(model.state_dict())  # no rope_freqs in the state dict
     assert cfg.rope_scaling["rope_type"] == "llama3"
@@ -253,7 +253,7 @@ def test_linear_rope_scaling(tmp_path):
 
     hf_cfg = tf.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                             num_attention_heads=4, rope_scaling={"rope_type": "linear", "factor": 4.0})
-    cfg, _, _ = load_gguf(write_gguf_from_hf(tf.LlamaForCausalLM(hf_cfg), None, tmp_path / "m.gguf"))
+    cfg, _, _, _ = load_gguf(write_gguf_from_hf(tf.LlamaForCausalLM(hf_cfg), None, tmp_path / "m.gguf"))
     assert cfg.rope_scaling == {"rope_type": "linear", "factor": 4.0}
 
 
@@ -328,7 +328,7 @@ def _write_raw_llama(path: Path, qtype: Q, rng: np.random.Generator, arch: str =
 @pytest.mark.parametrize("qtype", _dequantizable_types(), ids=lambda q: q.name)
 def test_every_dequantizable_type(qtype, tmp_path):
     written = _write_raw_llama(tmp_path / "m.gguf", qtype, np.random.default_rng(qtype.value))
-    _, state, _ = load_gguf(tmp_path / "m.gguf")
+    _, state, _, _ = load_gguf(tmp_path / "m.gguf")
     assert len(state) == len(written)
     for gguf_name, data in written.items():
         want = gguf.quants.dequantize(data, qtype) if data.ndim == 2 else data
@@ -367,7 +367,7 @@ def default_reader() -> gguf.GGUFReader:
 @pytest.fixture(scope="module")
 def default_loaded():
     t0 = time.perf_counter()
-    cfg, state, meta = load_gguf(DEFAULT_GGUF)
+    cfg, state, meta, _ = load_gguf(DEFAULT_GGUF)
     return cfg, state, meta, time.perf_counter() - t0
 
 

@@ -57,14 +57,18 @@ def _add_commands(sub) -> None:
     lat = sub.add_parser("latency", help="TTFT, TPOT, tok/s, MBU and MFU per batch size, against the roofline",
                          description="Prefill B prompts in one step, then decode; per batch size.")
     _common(lat, peaks=True)
-    lat.add_argument("--prompt-len", type=int, default=None,
-                     help="prompt tokens (default 128 on CPU, 2048 on GPU; clamped to context - decode)")
+    lat.add_argument("--prompt-len", default=None,
+                     help="prompt tokens (default 128 on CPU, 2048 on GPU; clamped to context - decode); with "
+                          "--compare a comma-separated list, each length compared in turn (e.g. 512,2048)")
     lat.add_argument("--decode-len", type=int, default=None, help="tokens generated (default 64 on CPU, 256 on GPU)")
     lat.add_argument("--batch-sizes", default=None,
                      help="comma-separated (default 1,8,32 on CPU, 1,8,32,128 on GPU; 1 with --compare)")
     lat.add_argument("--compare", default=None, choices=["llama.cpp"],
                      help="then batch 1 against llama.cpp on the same GGUF file, threads, prompt and lengths, "
                           "run in a subprocess of --llama-cpp-python")
+    lat.add_argument("--also", action="append", default=None, metavar="GGUF",
+                     help="with --compare: one more GGUF file compared the same way after --model's, in this "
+                          "process (repeatable); a table of every file's ratios ends the run")
     lat.add_argument("--llama-cpp-python", default=None, metavar="PYTHON",
                      help="a Python with llama-cpp-python installed (default: $NANOINFER_LLAMA_CPP_PYTHON)")
     lat.add_argument("--speculative", default=None, choices=["ngram", "draft_model"],

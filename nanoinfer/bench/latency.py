@@ -8,7 +8,9 @@ hardware could do at the middle of the decode (context P + D/2).
 
 `--compare llama.cpp` then measures batch 1 against llama.cpp on the same GGUF file, same
 prompt ids, decode length and threads, for `--runs` rounds that alternate which engine goes
-first; llama.cpp runs in a subprocess of its own interpreter (see llama_cpp.py).
+first; llama.cpp runs in a subprocess of its own interpreter (see llama_cpp.py). Several
+prompt lengths (`--prompt-len 512,2048`) and files (`--also FILE`, repeatable) are compared
+one after another in the same way, and a table of every file's ratios ends the run.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import argparse
 import gc
 import random
 import time
+from pathlib import Path
 
 import torch
 
@@ -220,14 +223,68 @@ def print_compare(c: dict) -> None:
                  f"decode {c['engine']}", "ratio"], rows)
 
 
+def parse_prompt_lens(text: str | int | None) -> list[int | None]:
+    """--prompt-len: one length, or with --compare several (comma-separated); [None]: the default."""
+    if text is None:
+        return [None]
+    try:
+        lens = [int(x) for x in str(text).split(",")]
+    except ValueError:
+        raise NanoinferError(f"--prompt-len {text!r}: a number of tokens, or a comma-separated list with --compare") \
+            from None
+    if any(n < 1 for n in lens):
+        raise NanoinferError("--prompt-len must be >= 1")
+    return lens
+
+
+def print_compare_summary(comparisons: list[dict]) -> None:
+    print()
+    print(f"every file against {comparisons[0]['engine']} (medians of {len(comparisons[0]['runs'])} alternating runs; "
+          f"ratio = nanoinfer / {comparisons[0]['engine']})")
+    print_table(["file", "prompt", "prefill nanoinfer", "prefill ratio", "decode nanoinfer", "decode ratio"],
+                [[Path(c["model"]).name, str(c["prompt_len"]), f"{c['median']['nanoinfer']['prefill_tok_s']:.1f}",
+                  f"{c['ratio']['prefill']:.2f}x", f"{c['median']['nanoinfer']['decode_tok_s']:.1f}",
+                  f"{c['ratio']['decode']:.2f}x"] for c in comparisons])
+
+
+def compare_files(env: BenchEnv, args: argparse.Namespace, python: str, version: str, prompt_lens: list[int | None],
+                  decode_len: int, runs: int) -> list[dict]:
+    """--compare on --model's file (already loaded as env), then on each --also file, at each
+    prompt length."""
+    comparisons = []
+    for i, model in enumerate([args.model, *(args.also or [])]):
+        if i:
+            env = setup(argparse.Namespace(**{**vars(args), "model": model}))
+            check_gguf(env)
+            warm_up(env)
+        max_len = env.loaded.config.max_position_embeddings
+        for n in prompt_lens:
+            comparison = compare_llama_cpp(env, python, version, min(n or 128, max_len - decode_len), decode_len, runs,
+                                           args.seed)
+            print_compare(comparison)
+            comparisons.append(comparison)
+    if len(comparisons) > 1:
+        print_compare_summary(comparisons)
+    return comparisons
+
+
+def check_gguf(env: BenchEnv) -> None:
+    if env.loaded.format != "gguf":
+        raise NanoinferError(f"--compare llama.cpp needs a GGUF model (llama.cpp runs the same file): "
+                             f"{env.loaded.path} is {env.loaded.format}")
+
+
 def run(args: argparse.Namespace) -> int:
     gpu = on_gpu(args)
     compare = getattr(args, "compare", None)
     default_sizes = "1" if compare else "1,8,32,128" if gpu else "1,8,32"
     batch_sizes = parse_batch_sizes(args.batch_sizes or default_sizes)
     decode_len = args.decode_len or (256 if gpu else 64)
-    if args.prompt_len is not None and args.prompt_len < 1:
-        raise NanoinferError("--prompt-len must be >= 1")
+    prompt_lens = parse_prompt_lens(args.prompt_len)
+    if len(prompt_lens) > 1 and not compare:
+        raise NanoinferError("several --prompt-len values go with --compare; give one")
+    if getattr(args, "also", None) and not compare:
+        raise NanoinferError("--also adds a file to --compare llama.cpp")
     if decode_len < 2:
         raise NanoinferError("--decode-len must be >= 2 (the first token comes from the prefill)")
     if getattr(args, "speculative", None) and compare:
@@ -242,14 +299,13 @@ def run(args: argparse.Namespace) -> int:
         python = resolve_python(args.llama_cpp_python)
         version = check_python(python)
     env = setup(args)
-    if compare and env.loaded.format != "gguf":
-        raise NanoinferError(f"--compare llama.cpp needs a GGUF model (llama.cpp runs the same file): "
-                             f"{env.loaded.path} is {env.loaded.format}")
+    if compare:
+        check_gguf(env)
     max_len = env.loaded.config.max_position_embeddings
     if decode_len >= max_len:
         raise NanoinferError(f"--decode-len {decode_len} leaves no room for a prompt in the context of {max_len}")
     # As nanochat's bench: the prompt is clamped so that prompt + decode fits the context.
-    prompt_len = min(args.prompt_len or (2048 if gpu else 128), max_len - decode_len)
+    prompt_len = min(prompt_lens[0] or (2048 if gpu else 128), max_len - decode_len)
     mid = prompt_len + decode_len // 2
     card = env.roofline.card(mid, env.peaks.flops, env.peaks.bandwidth)
     print_card(env, card)
@@ -275,17 +331,16 @@ def run(args: argparse.Namespace) -> int:
                  "peak mem"], rows)
     if env.device.type == "cpu":
         print("(peak mem: the process's RSS high-water mark so far, model included)")
-    comparison = None
-    if compare:
-        comparison = compare_llama_cpp(env, python, version, prompt_len, decode_len, runs, args.seed)
-        print_compare(comparison)
+    comparisons = compare_files(env, args, python, version, prompt_lens, decode_len, runs) if compare else []
     if plot:
         from .plots import plot_roofline
         plot_roofline(plot, env.peaks.flops, env.peaks.bandwidth, results,
                       title=f"{env.loaded.path.name}, {env.dtype}, {env.peaks.device_name}")
         print(f"roofline plot: {plot}")
     doc = {**run_meta(env, "latency"), "card": card, "results": results, "plot": plot}
-    if comparison:
-        doc["compare"] = comparison
+    if comparisons:
+        doc["compare"] = comparisons[0]
+    if len(comparisons) > 1:
+        doc["compares"] = comparisons
     emit_json(doc)
     return 0

@@ -31,7 +31,7 @@ class _Layer(ctypes.Structure):
     _fields_ = [("in_norm", _p), ("post_norm", _p), ("q_norm", _p), ("k_norm", _p), ("qkv", _Linear), ("o", _Linear),
                 ("gate_up", _Linear), ("down", _Linear), ("k_cache", _p), ("v_cache", _p), ("window", _i),
                 ("scale", _f), ("softcap", _f), ("rope", _i), ("attn_out_norm", _p), ("mlp_out_norm", _p),
-                ("act", _i)]
+                ("act", _i), ("post_norm_layout", _i), ("qk_norm_whole", _i)]
 
 
 class _Model(ctypes.Structure):
@@ -58,8 +58,8 @@ ACTS = {"silu": 0, "gelu_tanh": 1}  # StackLayer.act
 
 @dataclass
 class LayerWeights:
-    in_norm: torch.Tensor
-    post_norm: torch.Tensor
+    in_norm: torch.Tensor | None  # None: a post-norm layer (then attn_out_norm and mlp_out_norm)
+    post_norm: torch.Tensor | None
     qkv: LinearWeights
     o: LinearWeights
     gate_up: LinearWeights
@@ -75,6 +75,8 @@ class LayerWeights:
     attn_out_norm: torch.Tensor | None = None  # sandwich norms (Gemma): the attention's output normed,
     mlp_out_norm: torch.Tensor | None = None  # and the MLP's, before each joins the stream
     act: str = "silu"  # the gated MLP's activation: "silu" or "gelu_tanh"
+    post_norm_layout: bool = False  # OLMo 2: no norm before a branch, its output normed into the stream
+    qk_norm_whole: bool = False  # q_norm [H * D] and k_norm [Hkv * D]: each normed over all its heads
 
 
 def supported(layers: list[LayerWeights]) -> bool:
@@ -83,8 +85,10 @@ def supported(layers: list[LayerWeights]) -> bool:
     if cpu_kernels.library() is None:
         return False
     for lw in layers:
-        norms = [lw.in_norm, lw.post_norm] + [t for t in (lw.q_norm, lw.k_norm, lw.attn_out_norm, lw.mlp_out_norm)
-                                             if t is not None]
+        norms = [t for t in (lw.in_norm, lw.post_norm, lw.q_norm, lw.k_norm, lw.attn_out_norm, lw.mlp_out_norm)
+                 if t is not None]
+        if lw.post_norm_layout != (lw.in_norm is None) or (lw.post_norm_layout and lw.mlp_out_norm is None):
+            return False
         if lw.act not in ACTS:
             return False
         if any(t.dtype != torch.float32 or not t.is_contiguous() for t in norms):
@@ -117,13 +121,15 @@ class DecoderStack:
         table = (_Layer * len(layers))()
         for i, lw in enumerate(layers):
             table[i] = _Layer(
-                lw.in_norm.data_ptr(), lw.post_norm.data_ptr(),
+                lw.in_norm.data_ptr() if lw.in_norm is not None else None,
+                lw.post_norm.data_ptr() if lw.post_norm is not None else None,
                 lw.q_norm.data_ptr() if lw.q_norm is not None else None,
                 lw.k_norm.data_ptr() if lw.k_norm is not None else None,
                 _linear(lw.qkv), _linear(lw.o), _linear(lw.gate_up), _linear(lw.down),
                 lw.k_cache.data_ptr(), lw.v_cache.data_ptr(), lw.window or 0, lw.scale, lw.softcap or 0.0,
                 lw.rope, lw.attn_out_norm.data_ptr() if lw.attn_out_norm is not None else None,
-                lw.mlp_out_norm.data_ptr() if lw.mlp_out_norm is not None else None, ACTS[lw.act])
+                lw.mlp_out_norm.data_ptr() if lw.mlp_out_norm is not None else None, ACTS[lw.act],
+                int(lw.post_norm_layout), int(lw.qk_norm_whole))
         self._table = table
         self._model = _Model(len(layers), hidden, num_heads, num_kv_heads, head_dim, intermediate,
                              layers[0].k_cache.shape[1], int(layers[0].k_cache.dtype == torch.bfloat16),

@@ -4,6 +4,7 @@ module through the registry."""
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,7 @@ class ModelFiles:
     path: Path
     format: str  # "gguf" | "hf" | "nanochat"
     info: dict = field(default_factory=dict)  # loader notes (nanochat: era, step, tag, ...)
+    release: Callable[[], None] | None = None  # drops a mapped file's pages once the model is built (GGUF)
 
 
 def default_model_path() -> Path:
@@ -88,8 +90,8 @@ def load_files(path: str | Path | None = None, dtype: torch.dtype | None = torch
         raise ModelLoadError(f"model overrides {sorted(overrides)} apply to nanochat checkpoints only")
     if fmt == "gguf":
         from .gguf import load_gguf
-        config, state, meta = load_gguf(path, dtype=dtype)
-        return ModelFiles(config, state, Tokenizer.from_gguf_metadata(meta), path, fmt)
+        config, state, meta, release = load_gguf(path, dtype=dtype)
+        return ModelFiles(config, state, Tokenizer.from_gguf_metadata(meta), path, fmt, release=release)
     if fmt == "hf":
         from .hf import load_hf_folder
         config, state = load_hf_folder(path, dtype=dtype or torch.float32)

@@ -10,13 +10,14 @@ to `general.alignment`, then the tensor data.
 """
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 import os
 import re
 import struct
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -557,11 +558,14 @@ def _shape(info: _TensorInfo) -> tuple[int, ...]:
 
 def load_gguf(
     path: str | os.PathLike[str], dtype: torch.dtype | None = torch.float32
-) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedTensor], dict[str, Any]]:
-    """(config, state dict with HF names and shapes, GGUF metadata); llama q/k rows are put
-    back in HF order. With a dtype every tensor is dequantized to it; with None ("as
+) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedTensor], dict[str, Any], Callable[[], None]]:
+    """(config, state dict with HF names and shapes, GGUF metadata, release); llama q/k rows
+    are put back in HF order. With a dtype every tensor is dequantized to it; with None ("as
     stored") matrices that are not F32 stay QuantizedTensors over the mapped file (no copy,
-    nothing read until used) and vectors (norms, biases) become float32."""
+    nothing read until used) and vectors (norms, biases) become float32. release() drops the
+    mapped file's pages from the process's resident memory once the model holds copies of
+    what it read at load (the kernels' repacked weights): the map is read-only and shared, so
+    a page still in use is read back from the page cache when next touched."""
     gf = _open(path, with_tensors=True)
     if not gf.tensors:
         raise ModelLoadError(f"{path} holds no tensors (a vocab-only GGUF?); it cannot be loaded as a model")
@@ -616,7 +620,7 @@ def load_gguf(
         state[hf_name] = torch.from_numpy(w).to(dtype or torch.float32)
     if longrope:
         cfg.rope_scaling = _longrope_scaling(gf.meta, cfg.extra["gguf_architecture"], longrope, cfg)
-    return cfg, state, gf.meta
+    return cfg, state, gf.meta, functools.partial(_release, gf.buf)
 
 
 def _experts(buf: mmap.mmap, info: _TensorInfo, dtype: torch.dtype | None) -> list[torch.Tensor | QuantizedTensor]:
@@ -628,6 +632,11 @@ def _experts(buf: mmap.mmap, info: _TensorInfo, dtype: torch.dtype | None) -> li
         return [QuantizedTensor(data[e], int(info.qtype), (rows, cols), info.qtype.name) for e in range(n)]
     w = torch.from_numpy(_dequantize(buf, info)).to(dtype or torch.float32)
     return list(w.unbind(0))
+
+
+def _release(buf: mmap.mmap) -> None:
+    if hasattr(mmap, "MADV_DONTNEED") and not buf.closed:
+        buf.madvise(mmap.MADV_DONTNEED)
 
 
 def _stored_bytes(buf: mmap.mmap, info: _TensorInfo) -> torch.Tensor:

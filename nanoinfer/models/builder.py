@@ -56,6 +56,8 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | None = torch
     model = build_module(files.config, files.state, device, str(files.path))
     if transform is not None:
         model = transform(model, files.config)
+    if files.release is not None:  # the repacked weights are copies: the file's pages they came from are not needed
+        files.release()
     return LoadedModel(model, files.tokenizer, files.config, files.path, files.format, time.perf_counter() - t0,
                        files.info, {"path": str(files.path), "dtype": dtype, "overrides": overrides})
 

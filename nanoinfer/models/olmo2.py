@@ -3,8 +3,7 @@ attention or the MLP; an RMSNorm on each branch's output before it joins the str
 (post_attention_layernorm, post_feedforward_layernorm), and q and k each RMS-normed over all
 their heads at once before rotary (ModelConfig.qk_norm_over_heads, in llama.Attention).
 
-The compiled decoder stack is written for pre-norm layers, so these run as modules (its
-registry entry, olmo2_facts.py, does not allow the stack)."""
+The compiled decoder stack runs these layers too (its post-norm layout: stack_layer below)."""
 from __future__ import annotations
 
 from torch import nn
@@ -15,6 +14,8 @@ from .llama import MLP, Attention, LlamaForCausalLM, RMSNorm
 
 
 class Olmo2DecoderLayer(nn.Module):
+    stack_layer = True  # the Llama module's parts in the post-norm layout, which the stack computes
+
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.self_attn = Attention(config, layer)

@@ -28,14 +28,15 @@ def _linear(module: nn.Module) -> LinearWeights | None:
                          module.bias)
 
 
-# What the compiled stack computes (kernels/csrc/decoder_stack.cpp): RMSNorm layers, pre-norm or
-# sandwiched (Gemma: the attention's and the MLP's outputs normed too), rotary from the model's
-# tables (LongRoPE's too; Gemma's windowed layers from their own local tables) on the whole of
-# each head or on its first part, or none in a NoPE layer, q/k RMSNorm per head, biased q/k/v,
-# per-layer windows and attention soft-caps, the SiLU- or GELU(tanh)-gated MLP.
-STACK_FEATURES = frozenset({"norm_pre", "norm_sandwich", "rms_norm", "mlp_silu", "mlp_gelu_tanh", "qk_norm",
-                            "attention_bias", "window", "attention_softcap", "nope_layers", "partial_rotary",
-                            "local_rotary_base"})
+# What the compiled stack computes (kernels/csrc/decoder_stack.cpp): RMSNorm layers, pre-norm,
+# sandwiched (Gemma: the attention's and the MLP's outputs normed too) or post-norm (OLMo 2: only
+# the outputs normed), rotary from the model's tables (LongRoPE's too; Gemma's windowed layers
+# from their own local tables) on the whole of each head or on its first part, or none in a NoPE
+# layer, q/k RMSNorm per head or over all heads, biased q/k/v, per-layer windows and attention
+# soft-caps, the SiLU- or GELU(tanh)-gated MLP.
+STACK_FEATURES = frozenset({"norm_pre", "norm_sandwich", "norm_post", "rms_norm", "mlp_silu", "mlp_gelu_tanh",
+                            "qk_norm", "qk_norm_over_heads", "attention_bias", "window", "attention_softcap",
+                            "nope_layers", "partial_rotary", "local_rotary_base"})
 
 
 def unsupported_features(model: nn.Module) -> frozenset[str]:
@@ -47,7 +48,7 @@ def _build(model: nn.Module, attention: AttentionBackend) -> DecoderStack | None
     config = model.config
     if unsupported_features(model):
         return None
-    sandwich = config.norm_layout == "sandwich"
+    sandwich, post = config.norm_layout == "sandwich", config.norm_layout == "post"
     layers = []
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
@@ -59,14 +60,16 @@ def _build(model: nn.Module, attention: AttentionBackend) -> DecoderStack | None
             rope = ROPE_NONE
         else:  # Gemma's windowed layers turn by their own tables
             rope = ROPE_LOCAL if getattr(layer, "sliding", False) else ROPE_GLOBAL
-        before_mlp = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
+        before_mlp = None if post else layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
         layers.append(LayerWeights(
-            layer.input_layernorm.weight.detach(), before_mlp.weight.detach(), *linears,
+            None if post else layer.input_layernorm.weight.detach(),
+            None if post else before_mlp.weight.detach(), *linears,
             attention.cache.k[i], attention.cache.v[i], p.window, p.scale, p.softcap,
             attn.q_norm.weight.detach() if attn.q_norm is not None else None,
             attn.k_norm.weight.detach() if attn.k_norm is not None else None, rope,
-            layer.post_attention_layernorm.weight.detach() if sandwich else None,
-            layer.post_feedforward_layernorm.weight.detach() if sandwich else None, mlp.act))
+            layer.post_attention_layernorm.weight.detach() if sandwich or post else None,
+            layer.post_feedforward_layernorm.weight.detach() if sandwich or post else None, mlp.act,
+            post_norm_layout=post, qk_norm_whole=config.qk_norm_over_heads))
     if not decoder_stack.supported(layers):
         return None
     return DecoderStack(layers, config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,

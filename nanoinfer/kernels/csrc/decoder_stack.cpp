@@ -1,7 +1,9 @@
-// The decoder layers of a Llama-family model (Llama, Mistral, Qwen2/3, SmolLM) as one call:
-// for every layer, RMSNorm (with the residual add), the q/k/v projection, q/k norms where the
-// model has them, rotary, k and v written to their cache slots, paged attention, the output
-// projection, RMSNorm, gate/up, silu * up, down. Weights in their GGUF blocks (quant_gemm.cpp).
+// The decoder layers of a Llama-family model (Llama, Mistral, Qwen2/3, SmolLM, Phi-3, Gemma 2/3,
+// OLMo 2) as one call: for every layer, RMSNorm (with the residual add), the q/k/v projection,
+// q/k norms where the model has them (per head, or over all heads), rotary, k and v written to
+// their cache slots, paged attention, the output projection, RMSNorm, gate/up, the gated
+// activation, down; sandwich norms (Gemma) and post-norm layers (OLMo 2) move the norms. Weights
+// in their GGUF blocks (quant_gemm.cpp).
 //
 // Why: at batch-1 decode a layer is a dozen small operations, and calling each from Python
 // (module call, tensor allocation, ctypes, an OpenMP team started per op) cost more than the
@@ -53,6 +55,10 @@ struct StackLayer {
     // stream (null: pre-norm layers). post_norm is then the norm before the MLP.
     const float *attn_out_norm, *mlp_out_norm;
     int64_t act;  // 0: silu(gate) * up; 1: gelu_tanh(gate) * up
+    // Post-norm layers (OLMo 2): no norm before attention or the MLP; each branch's output is
+    // normed (attn_out_norm, mlp_out_norm) and added to the stream, which is the branches' input.
+    int64_t post_norm_layout;
+    int64_t qk_norm_whole;  // q and k each normed over all their heads at once (OLMo 2), not per head
 };
 
 struct StackModel {
@@ -170,9 +176,13 @@ extern "C" int decoder_stack(const StackModel* m, const StackStep* s) {
             for (int64_t t = 0; t < T; t++) {
                 float *xr = s->x + t * E, *res = s->residual + t * E;
                 if (l == 0) std::memcpy(res, xr, sizeof(float) * E);
-                nanoinfer::rms_norm_row_f32(res, l == 0 ? nullptr : xr, L.in_norm, h + t * E, E, m->eps);
+                if (!L.post_norm_layout)
+                    nanoinfer::rms_norm_row_f32(res, l == 0 ? nullptr : xr, L.in_norm, h + t * E, E, m->eps);
+                else if (l > 0)
+                    for (int64_t i = 0; i < E; i++) res[i] += xr[i];
             }
-            int r = linear(L.qkv, h, T, E, qkv, s->path, qacts);
+            float* branch_in = L.post_norm_layout ? s->residual : h;  // what attention and the MLP read
+            int r = linear(L.qkv, branch_in, T, E, qkv, s->path, qacts);
             // q and k normed (where the model does) and rotated; k and v stored in their slots
             if (!r) {
 #pragma omp for schedule(static)
@@ -183,7 +193,11 @@ extern "C" int decoder_stack(const StackModel* m, const StackStep* s) {
                     const float *c = (local ? s->cos_local : s->cos) + t * (RD / 2);
                     const float *sn = (local ? s->sin_local : s->sin) + t * (RD / 2);
                     const float* src = row;
-                    if (L.q_norm) {
+                    if (L.q_norm && L.qk_norm_whole) {
+                        nanoinfer::rms_norm_row_f32(row, nullptr, L.q_norm, normed, H * D, m->eps);
+                        nanoinfer::rms_norm_row_f32(row + H * D, nullptr, L.k_norm, normed + H * D, Hkv * D, m->eps);
+                        src = normed;
+                    } else if (L.q_norm) {
                         for (int64_t hd = 0; hd < H + Hkv; hd++)
                             nanoinfer::rms_norm_row_f32(row + hd * D, nullptr, hd < H ? L.q_norm : L.k_norm,
                                                         normed + hd * D, D, m->eps);
@@ -215,9 +229,13 @@ extern "C" int decoder_stack(const StackModel* m, const StackStep* s) {
                 for (int64_t t = 0; t < T; t++) {
                     float* p = proj + t * E;
                     if (L.attn_out_norm) nanoinfer::rms_norm_row_f32(p, nullptr, L.attn_out_norm, p, E, m->eps);
-                    nanoinfer::rms_norm_row_f32(s->residual + t * E, p, L.post_norm, h + t * E, E, m->eps);
+                    float* res = s->residual + t * E;
+                    if (L.post_norm_layout)
+                        for (int64_t i = 0; i < E; i++) res[i] += p[i];
+                    else
+                        nanoinfer::rms_norm_row_f32(res, p, L.post_norm, h + t * E, E, m->eps);
                 }
-                r = linear(L.gate_up, h, T, E, gu, s->path, qacts);
+                r = linear(L.gate_up, branch_in, T, E, gu, s->path, qacts);
             }
             if (!r) {
 #pragma omp for schedule(static)
