@@ -230,11 +230,14 @@ def test_failing_request_ends_alone_in_the_server(llama_dir, failing_seed):
 
 
 def test_default_kv_pool_follows_the_model_and_the_machine(llama_dir):
-    from nanoinfer.engine.memory import MemoryBudget, default_kv_pool_bytes
+    from nanoinfer.engine.memory import MemoryBudget, default_kv_pool_bytes, plan_kv_pool
 
     per_token, context = 1000, 2048
     assert default_kv_pool_bytes(per_token, context, 64, 1 << 40) == per_token * context * 64  # all fit
     assert default_kv_pool_bytes(per_token, context, 64, 25 << 20) == 25 << 20  # the limit
+    # a context that is not a whole number of blocks gets its last block whole: it fits (it was refused)
+    assert default_kv_pool_bytes(per_token, 948, 1, 1 << 40, block_size=16) == per_token * 960
+    assert plan_kv_pool(per_token, 16, 2048, 948, None, 1, MemoryBudget(100 << 30, None, None)).max_model_len == 948
     assert MemoryBudget(100 << 30, None, None).pool_limit() == 25 << 30  # a quarter of what is free
     assert MemoryBudget(100 << 30, 8 << 30, None).pool_limit() == 2 << 30  # ... of the cgroup's headroom
     assert MemoryBudget(100 << 30, None, 5 << 30).pool_limit() == 2 << 30  # half the address space after 1 GiB

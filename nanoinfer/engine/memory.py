@@ -128,9 +128,12 @@ class MemoryBudget:
 
 
 
-def default_kv_pool_bytes(bytes_per_token: int, context: int, max_num_seqs: int, limit: int) -> int:
-    """Room for max_num_seqs sequences at the full context, at most `limit` (MemoryBudget.pool_limit)."""
-    return min(bytes_per_token * context * max_num_seqs, limit)
+def default_kv_pool_bytes(bytes_per_token: int, context: int, max_num_seqs: int, limit: int,
+                          block_size: int = 1) -> int:
+    """Room for max_num_seqs sequences at the full context (in whole blocks), at most `limit`
+    (MemoryBudget.pool_limit)."""
+    blocks = -(-context // block_size)
+    return min(bytes_per_token * blocks * block_size * max_num_seqs, limit)
 
 
 @dataclass(frozen=True)
@@ -148,7 +151,7 @@ def plan_kv_pool(bytes_per_token: int, block_size: int, declared_context: int, m
     context = min(max_model_len or declared_context, declared_context)
     chosen = pool_bytes is not None
     if not chosen:
-        pool_bytes = default_kv_pool_bytes(bytes_per_token, context, max_num_seqs, budget.pool_limit(share))
+        pool_bytes = default_kv_pool_bytes(bytes_per_token, context, max_num_seqs, budget.pool_limit(share), block_size)
     num_blocks = pool_bytes // (block_size * bytes_per_token)
     where = "--kv-cache-memory" if chosen else budget.binding()
     if num_blocks < 1:
