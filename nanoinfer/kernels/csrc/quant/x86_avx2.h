@@ -27,14 +27,6 @@ QG_AVX2 inline float hsum8_avx2(__m256 v) {
     return opaque(_mm_cvtss_f32(s));
 }
 
-QG_AVX2 inline float f16_avx2(const uint8_t* p) { return _cvtsh_ss(rd16(p)); }
-
-// 32 nibbles: the low ones of qs[0..15] in bytes 0..15, the high ones in bytes 16..31.
-QG_AVX2 inline __m256i nibbles(const uint8_t* qs) {
-    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
-    return _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(15));
-}
-
 // Byte j = 0xff where bit j of the little-endian u32 at p is set, else 0.
 QG_AVX2 inline __m256i bit_bytes(const uint8_t* p) {
     const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(int32_t(rd32(p))),
