@@ -243,6 +243,8 @@ def test_repack_round_trip(qtype, N):
     assert not back.repacked and torch.equal(back.data, w)
     with pytest.raises(RuntimeError, match="no repacked layout"):
         quant.linear(torch.randn(1, 100), torch.from_numpy(make_weights(T.F16, 8, 100)), T.F16, repacked=True)
+    with pytest.raises(ValueError, match="bytes for a"):  # data that does not match its shape is not read
+        quant.repack(QuantizedTensor(w[:, :-1].contiguous(), qtype, (N, K), T(qtype).name))
 
 
 def test_special_values_of_f16_scales():

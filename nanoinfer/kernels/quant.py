@@ -6,9 +6,10 @@ activations are quantised per block as llama.cpp does (q8_0 / q8_1 for the 32-va
 q8_K for the K-quants), so each block's dot product is an exact integer sum; F16 and BF16
 weights meet the fp32 activations as they are.
 
-The 32-value types run repacked (`repack`, at load): rows in groups of 8, each block of the 8
-rows interleaved 4 values at a time (csrc/quant/packed.h), so the kernels compute 8 outputs
-per vector. The mapped file stays the source; the repacked copy replaces it in the model.
+The block types run repacked (`repack`, at load; the record's `interleave`): rows in groups
+of 8, each block of the 8 rows interleaved 4 values at a time (csrc/quant/packed.h), so the
+kernels compute 8 outputs per vector. The mapped file stays the source; the repacked copy
+replaces it in the model.
 
 Each output row depends only on its own input row: the same bits alone or in any batch, and
 the same bits on every path (`paths()`: "avx512" where the CPU has AVX-512 F/BW/VL and
@@ -264,6 +265,8 @@ def dequantize_rows(w: torch.Tensor, qtype: int, K: int, rows: torch.Tensor, rep
 def _relayout(t: QuantizedTensor, repacked: bool) -> QuantizedTensor:
     lib = _library(t.qtype)
     _check(t.data, "data", torch.uint8, 2)
+    if tuple(t.data.shape) != (t.shape[0], row_bytes(t.qtype, t.shape[1])):
+        raise ValueError(f"{t.type_name}: {list(t.data.shape)} bytes for a [{t.shape[0]}, {t.shape[1]}] weight")
     out = torch.empty_like(t.data)
     rc = lib.quant_repack(int(t.qtype), t.data.data_ptr(), t.shape[0], t.shape[1], out.data_ptr(), int(not repacked))
     if rc:

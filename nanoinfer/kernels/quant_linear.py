@@ -5,7 +5,7 @@ A projection fused in the model (q, k, v; gate, up) may hold parts of different 
 Q4_K_M file keeps v in Q6_K): each part runs as it is stored and the outputs are joined,
 rather than copying the parts into one tensor.
 
-Both repack their weights for the kernels when built (quant.repack: the 32-value types, rows
+Both repack their weights for the kernels when built (quant.repack: the block types, rows
 interleaved 8 at a time); a head tied to the embedding is given the embedding's repacked
 table, so the two still share one copy."""
 from __future__ import annotations
