@@ -190,7 +190,10 @@ QG_AVX2 void groupk_avx2(const Ctx& c, int64_t n, int64_t m0) {
         if constexpr (T == Q6_K) {
             __m256i S[4];
             for (int w = 0; w < 4; w++) S[w] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + L::q6_sc + 32 * w));
+            // (unrolled: the shifts below then take immediate counts)
+#pragma GCC unroll 2
             for (int h = 0; h < 2; h++)
+#pragma GCC unroll 4
                 for (int t = 0; t < 4; t++) {  // values 128h + 32t + 4v + (0..3): groups 8h + 2t (v < 4), 8h + 2t + 1
                     const uint8_t* ql = gb + 32 * 8 * (2 * h + (t & 1));
                     const uint8_t* qh = gb + L::q6_qh + 32 * 8 * h;
@@ -253,7 +256,8 @@ QG_AVX2 void groupk_avx2(const Ctx& c, int64_t n, int64_t m0) {
                     acc[i] = _mm256_fnmadd_ps(_mm256_mul_ps(dmv, _mm256_broadcast_ss(xd[i] + b)), _mm256_cvtepi32_ps(ms), acc[i]);
                 }
             }
-            for (int j = 0; j < 8; j++) {
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {  // (unrolled: qh_bit's shifts take immediate counts)
                 const __m256i sc = pick_bytes(j < 4 ? sc_lo : sc_hi, kByte16[j & 3]);
                 __m256i s0[R], s1[R];
                 for (int i = 0; i < R; i++) s0[i] = s1[i] = _mm256_setzero_si256();
