@@ -53,6 +53,60 @@ QG_AVX2 inline __m256i bcast4(const int8_t* p) { return _mm256_castps_si256(_mm2
 template <int T>
 constexpr int kOffsetShift = T == Q4_0 ? 3 : T == Q5_0 ? 4 : -1;
 
+// The activation rows of a group tile (row i is m0 + i): values, scales, and (Q4_1, Q5_1) d * sum
+// or (offset weights) the integer sums; and the tile's accumulators, zeroed.
+template <int T, int R>
+struct GroupRows {
+    const int8_t* xq[R];
+    const float *xd[R], *xs[R];
+    const int32_t* xo[R];
+    __m256 acc[R];
+    QG_AVX2 GroupRows(const Ctx& c, int64_t m0) {
+        for (int i = 0; i < R; i++) {
+            xq[i] = c.q + (m0 + i) * c.K;
+            xd[i] = c.d + (m0 + i) * c.nb;
+            xs[i] = c.s ? c.s + (m0 + i) * c.nb : nullptr;
+            xo[i] = c.xsum ? c.xsum + (m0 + i) * c.nb : nullptr;
+            acc[i] = _mm256_setzero_ps();
+        }
+    }
+};
+
+// The next `bytes` of a streamed weight, kPrefetch ahead.
+QG_AVX2 inline void prefetch_ahead(const uint8_t* p, int bytes) {
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch + o), _MM_HINT_T0);
+}
+
+// Vector v of a 4- or 5-bit group block as unsigned bytes: lo holds values 4v..4v+3 of each row,
+// hi values 16 + 4v..
+template <int T>
+QG_AVX2 inline void group_nibbles(const uint8_t* gb, int v, __m256i& lo, __m256i& hi) {
+    using L = Packed32<T>;
+    const __m256i low = _mm256_set1_epi8(15);
+    const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + L::qs + 32 * v));
+    lo = _mm256_and_si256(qv, low);
+    hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), low);
+    if constexpr (L::has_qh) {
+        lo = _mm256_or_si256(lo, _mm256_and_si256(bit_bytes(gb + L::qh + 4 * v), _mm256_set1_epi8(16)));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(bit_bytes(gb + L::qh + 16 + 4 * v), _mm256_set1_epi8(16)));
+    }
+}
+
+// Block b of a group into each row's 8 outputs, from the rows' exact integer dots p (offset
+// not yet taken off when shift >= 0): dot32's float steps, lane by lane.
+template <int T, int R, int shift>
+QG_AVX2 inline void group_add_block(const uint8_t* gb, GroupRows<T, R>& r, int64_t b, __m256i* p) {
+    if constexpr (shift >= 0)
+        for (int i = 0; i < R; i++) p[i] = _mm256_sub_epi32(p[i], _mm256_set1_epi32(r.xo[i][b] * (1 << shift)));
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb)));
+    for (int i = 0; i < R; i++)
+        r.acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_broadcast_ss(r.xd[i] + b)), _mm256_cvtepi32_ps(p[i]), r.acc[i]);
+    if constexpr (Packed32<T>::has_min) {
+        const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + Packed32<T>::m)));
+        for (int i = 0; i < R; i++) r.acc[i] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(r.xs[i] + b), r.acc[i]);
+    }
+}
+
 // Outputs y[m0 .. m0 + R - 1, n .. n + 7] of a 32-value type in the repacked layout, n a
 // group's first row: lane j of each vector is output n + j. Per block, 4 activation values
 // broadcast to every lane meet 4 values of each of the 8 rows in one vpmaddubsw; the int16
@@ -64,25 +118,12 @@ constexpr int kOffsetShift = T == Q4_0 ? 3 : T == Q5_0 ? 4 : -1;
 template <int T, int R, bool PF>
 QG_AVX2 void group32_avx2(const Ctx& c, int64_t n, int64_t m0) {
     using L = Packed32<T>;
-    constexpr bool has_min = L::has_min, has_qh = L::has_qh;
-    constexpr int shift = kOffsetShift<T>;
     const uint8_t* g = c.w + n * c.rb;
-    const int8_t* xq[R];
-    const float *xd[R], *xs[R];
-    const int32_t* xo[R];
-    __m256 acc[R];
-    for (int i = 0; i < R; i++) {
-        xq[i] = c.q + (m0 + i) * c.K;
-        xd[i] = c.d + (m0 + i) * c.nb;
-        xs[i] = has_min ? c.s + (m0 + i) * c.nb : nullptr;
-        xo[i] = shift >= 0 ? c.xsum + (m0 + i) * c.nb : nullptr;
-        acc[i] = _mm256_setzero_ps();
-    }
-    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    GroupRows<T, R> r(c, m0);
+    const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t b = 0; b < c.nb; b++) {
         const uint8_t* gb = g + b * L::group_bytes;
-        if constexpr (PF)
-            for (int o = 0; o < L::group_bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(gb + kPrefetch + o), _MM_HINT_T0);
+        if constexpr (PF) prefetch_ahead(gb, L::group_bytes);
         __m256i p[R];
         if constexpr (T == Q8_0) {
             for (int i = 0; i < R; i++) p[i] = _mm256_setzero_si256();
@@ -90,7 +131,7 @@ QG_AVX2 void group32_avx2(const Ctx& c, int64_t n, int64_t m0) {
                 const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + L::qs + 32 * v));
                 const __m256i aw = _mm256_sign_epi8(wv, wv);
                 for (int i = 0; i < R; i++) {
-                    p[i] = _mm256_add_epi32(p[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(bcast4(xq[i] + b * 32 + 4 * v), wv)), ones));
+                    p[i] = _mm256_add_epi32(p[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(bcast4(r.xq[i] + b * 32 + 4 * v), wv)), ones));
                     asm("" : "+x"(p[i]));
                 }
             }
@@ -98,15 +139,11 @@ QG_AVX2 void group32_avx2(const Ctx& c, int64_t n, int64_t m0) {
             __m256i s0[R], s1[R];
             for (int i = 0; i < R; i++) s0[i] = s1[i] = _mm256_setzero_si256();
             for (int v = 0; v < 4; v++) {
-                const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + L::qs + 32 * v));
-                __m256i lo = _mm256_and_si256(qv, low), hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), low);
-                if constexpr (has_qh) {
-                    lo = _mm256_or_si256(lo, _mm256_and_si256(bit_bytes(gb + L::qh + 4 * v), _mm256_set1_epi8(16)));
-                    hi = _mm256_or_si256(hi, _mm256_and_si256(bit_bytes(gb + L::qh + 16 + 4 * v), _mm256_set1_epi8(16)));
-                }
+                __m256i lo, hi;
+                group_nibbles<T>(gb, v, lo, hi);
                 for (int i = 0; i < R; i++) {
-                    const int8_t* x = xq[i] + b * 32;
-                    __m256i& s = has_qh && v >= 2 ? s1[i] : s0[i];
+                    const int8_t* x = r.xq[i] + b * 32;
+                    __m256i& s = L::has_qh && v >= 2 ? s1[i] : s0[i];
                     s = _mm256_add_epi16(s, _mm256_maddubs_epi16(lo, bcast4(x + 4 * v)));
                     s = _mm256_add_epi16(s, _mm256_maddubs_epi16(hi, bcast4(x + 16 + 4 * v)));
                     asm("" : "+x"(s));  // summed as it goes: a tree of the products spills registers
@@ -114,18 +151,12 @@ QG_AVX2 void group32_avx2(const Ctx& c, int64_t n, int64_t m0) {
             }
             for (int i = 0; i < R; i++) {
                 p[i] = _mm256_madd_epi16(s0[i], ones);
-                if constexpr (has_qh) p[i] = _mm256_add_epi32(p[i], _mm256_madd_epi16(s1[i], ones));
-                if constexpr (shift >= 0) p[i] = _mm256_sub_epi32(p[i], _mm256_set1_epi32(xo[i][b] * (1 << shift)));
+                if constexpr (L::has_qh) p[i] = _mm256_add_epi32(p[i], _mm256_madd_epi16(s1[i], ones));
             }
         }
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb)));
-        for (int i = 0; i < R; i++) acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_broadcast_ss(xd[i] + b)), _mm256_cvtepi32_ps(p[i]), acc[i]);
-        if constexpr (has_min) {
-            const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + L::m)));
-            for (int i = 0; i < R; i++) acc[i] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(xs[i] + b), acc[i]);
-        }
+        group_add_block<T, R, kOffsetShift<T>>(gb, r, b, p);
     }
-    group_store(c, n, m0, R, acc);
+    group_store(c, n, m0, R, r.acc);
 }
 
 // vpshufb patterns, per 32-bit lane (row) of a vector holding 4 bytes per row: byte k as two
@@ -183,8 +214,7 @@ QG_AVX2 void groupk_avx2(const Ctx& c, int64_t n, int64_t m0) {
     const __m256i low = _mm256_set1_epi8(15);
     for (int64_t b = 0; b < c.nb; b++) {
         const uint8_t* gb = g + b * L::group_bytes;
-        if constexpr (PF)
-            for (int o = 0; o < L::group_bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(gb + kPrefetch + o), _MM_HINT_T0);
+        if constexpr (PF) prefetch_ahead(gb, L::group_bytes);
         __m256i isum[R];
         for (int i = 0; i < R; i++) isum[i] = _mm256_setzero_si256();
         if constexpr (T == Q6_K) {

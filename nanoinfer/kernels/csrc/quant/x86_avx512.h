@@ -30,65 +30,40 @@ namespace {
 #define QG_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #endif
 
+// log2 of the offset taken off: group32_avx2's, and Q8_0's 128
 template <int T>
-constexpr int kVnniShift = T == Q4_0 ? 3 : T == Q5_0 ? 4 : T == Q8_0 ? 7 : -1;  // log2 of the offset; -1: none
+constexpr int kVnniShift = T == Q8_0 ? 7 : kOffsetShift<T>;
 
 template <int T, int R, bool PF>
 QG_AVX512 void group32_avx512(const Ctx& c, int64_t n, int64_t m0) {
     using L = Packed32<T>;
-    constexpr bool has_min = L::has_min, has_qh = L::has_qh;
-    constexpr int shift = kVnniShift<T>;
     const uint8_t* g = c.w + n * c.rb;
-    const int8_t* xq[R];
-    const float *xd[R], *xs[R];
-    const int32_t* xo[R];
-    __m256 acc[R];
-    for (int i = 0; i < R; i++) {
-        xq[i] = c.q + (m0 + i) * c.K;
-        xd[i] = c.d + (m0 + i) * c.nb;
-        xs[i] = has_min ? c.s + (m0 + i) * c.nb : nullptr;
-        xo[i] = shift >= 0 ? c.xsum + (m0 + i) * c.nb : nullptr;
-        acc[i] = _mm256_setzero_ps();
-    }
-    const __m256i low = _mm256_set1_epi8(15);
+    GroupRows<T, R> r(c, m0);
     for (int64_t b = 0; b < c.nb; b++) {
         const uint8_t* gb = g + b * L::group_bytes;
-        if constexpr (PF)
-            for (int o = 0; o < L::group_bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(gb + kPrefetch + o), _MM_HINT_T0);
+        if constexpr (PF) prefetch_ahead(gb, L::group_bytes);
         __m256i p[R];
         for (int i = 0; i < R; i++) p[i] = _mm256_setzero_si256();
         if constexpr (T == Q8_0) {
             for (int v = 0; v < 8; v++) {
                 const __m256i u = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + L::qs + 32 * v)),
                                                    _mm256_set1_epi8(char(0x80)));
-                for (int i = 0; i < R; i++)
-                    p[i] = _mm256_dpbusd_epi32(p[i], u, _mm256_set1_epi32(int32_t(rd32(reinterpret_cast<const uint8_t*>(xq[i] + b * 32 + 4 * v)))));
+                for (int i = 0; i < R; i++) p[i] = _mm256_dpbusd_epi32(p[i], u, bcast4(r.xq[i] + b * 32 + 4 * v));
             }
         } else {
             for (int v = 0; v < 4; v++) {
-                const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + L::qs + 32 * v));
-                __m256i lo = _mm256_and_si256(qv, low), hi = _mm256_and_si256(_mm256_srli_epi16(qv, 4), low);
-                if constexpr (has_qh) {
-                    lo = _mm256_or_si256(lo, _mm256_and_si256(bit_bytes(gb + L::qh + 4 * v), _mm256_set1_epi8(16)));
-                    hi = _mm256_or_si256(hi, _mm256_and_si256(bit_bytes(gb + L::qh + 16 + 4 * v), _mm256_set1_epi8(16)));
-                }
+                __m256i lo, hi;
+                group_nibbles<T>(gb, v, lo, hi);
                 for (int i = 0; i < R; i++) {
-                    const uint8_t* x = reinterpret_cast<const uint8_t*>(xq[i] + b * 32);
-                    p[i] = _mm256_dpbusd_epi32(p[i], lo, _mm256_set1_epi32(int32_t(rd32(x + 4 * v))));
-                    p[i] = _mm256_dpbusd_epi32(p[i], hi, _mm256_set1_epi32(int32_t(rd32(x + 16 + 4 * v))));
+                    const int8_t* x = r.xq[i] + b * 32;
+                    p[i] = _mm256_dpbusd_epi32(p[i], lo, bcast4(x + 4 * v));
+                    p[i] = _mm256_dpbusd_epi32(p[i], hi, bcast4(x + 16 + 4 * v));
                 }
             }
         }
-        if constexpr (shift >= 0)
-            for (int i = 0; i < R; i++) p[i] = _mm256_sub_epi32(p[i], _mm256_set1_epi32(xo[i][b] * (1 << shift)));
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb)));
-        for (int i = 0; i < R; i++) acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_broadcast_ss(xd[i] + b)), _mm256_cvtepi32_ps(p[i]), acc[i]);
-        if constexpr (has_min) {
-            const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + L::m)));
-            for (int i = 0; i < R; i++) acc[i] = _mm256_fmadd_ps(mw, _mm256_broadcast_ss(xs[i] + b), acc[i]);
-        }
+        group_add_block<T, R, kVnniShift<T>>(gb, r, b, p);
     }
-    group_store(c, n, m0, R, acc);
+    group_store(c, n, m0, R, r.acc);
 }
 
 template <int T, bool PF>
