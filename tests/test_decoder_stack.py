@@ -2,7 +2,8 @@
 for: the same tokens and the same logprob bits, for every Llama-family feature it carries
 (q/k/v bias, q/k norms, a sliding window, grouped-query attention, tied heads, SmolLM3's NoPE
 layers, Phi-3's fused checkpoints and LongRoPE, Gemma 2 and 3's sandwich norms, GELU MLP,
-soft-caps and local rotary tables, OLMo 2's post-norm layers and q/k norms over all heads), in batches
+soft-caps and local rotary tables, OLMo 2's post-norm layers and q/k norms over all heads, the
+routed experts of Qwen3-MoE and Mixtral), in batches
 with chunked prefill, on each dispatch path."""
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from gguf_export import write_gguf_from_hf
 # kind, tied head, weight type: together every branch of the stack
 CASES = [("llama", False, "Q4_1"), ("qwen2", True, "Q8_0"), ("qwen3", False, "Q5_0"), ("mistral", False, "Q4_0"),
          ("smollm3", False, "Q8_0"), ("phi3", False, "Q4_0"), ("phi3_longrope", False, "Q8_0"),
-         ("gemma2", True, "Q8_0"), ("gemma3", True, "Q4_0"), ("olmo2", False, "Q5_1")]
+         ("gemma2", True, "Q8_0"), ("gemma3", True, "Q4_0"), ("olmo2", False, "Q5_1"),
+         ("qwen3moe", False, "Q8_0"), ("mixtral", False, "Q4_0")]
 
 
 @pytest.fixture(scope="module")
@@ -179,3 +181,16 @@ def test_the_stack_runs_only_the_features_it_computes(ggufs, tmp_path):
     assert run(llm, True) == expected  # the stack was not built: the modules ran
     assert model.__dict__["_decoder_stack"][1] is None
     layers[1].__class__ = DecoderLayer
+
+
+def test_a_shared_expert_keeps_the_modules(make_hf_model, tiny_tokenizer_dir, tmp_path):
+    """Qwen2-MoE's shared expert is a feature the stack does not compute: its layers run as modules."""
+    from nanoinfer.models import stack
+
+    path = write_gguf_from_hf(make_hf_model("qwen2moe")[0], tiny_tokenizer_dir, tmp_path / "q2moe.gguf", "Q8_0")
+    llm = LLM(path, dtype="auto")
+    model = llm.loaded.model
+    assert model.use_decoder_stack and stack.unsupported_features(model) == {"shared_expert"}
+    expected = run(llm, False)
+    assert run(llm, True) == expected
+    assert model.__dict__["_decoder_stack"][1] is None

@@ -92,6 +92,7 @@ def test_facts_reach_every_consumer_through_the_entry():
     assert split == {"llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "olmo2", "gemma2", "gemma3",
                      "qwen2moe", "qwen3moe", "mixtral"}
     assert {a.name for a in registry.ARCHITECTURES if a.decoder_stack} == {
-        "llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3", "olmo2"}  # llama.py's parts, arranged
+        "llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3", "olmo2",  # llama.py's parts, arranged
+        "qwen2moe", "qwen3moe", "mixtral"}  # (and routed experts: a shared expert keeps the modules, by feature)
     with pytest.raises(ValueError, match="already registered"):
         registry.register(registry.Architecture("copy", ".llama:LlamaForCausalLM", gguf_names=("qwen3",)))

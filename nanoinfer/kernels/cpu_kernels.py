@@ -9,6 +9,8 @@ C++ compiler and called through ctypes.
   weight on every call than computing.
 - `decoder_stack` (csrc/decoder_stack.cpp): a Llama-family model's layers in one call, on
   weights in their GGUF blocks; nanoinfer/kernels/decoder_stack.py calls it.
+- `routed_experts` (csrc/routed_experts.cpp): a mixture-of-experts layer's router and experts
+  (in GGUF blocks) in one call; nanoinfer/kernels/routed_experts.py calls it.
 - `rms_norm_*`, `rope_*`, `silu_mul_*` (csrc/layer_ops.cpp): a decoder layer's small ops in
   one pass each, fp32 and bf16; nanoinfer/kernels/layer_ops.py calls them.
 - `quant_linear`, `quant_dequantize_rows` (csrc/quant_gemm.cpp, the types' records and
@@ -41,7 +43,7 @@ from ..user_cache import user_cache_dir
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("paged_attention.cpp", "packed_gemm.cpp", "layer_ops.cpp", "quant_gemm.cpp",
-                                    "decoder_stack.cpp", "sampling.cpp")]
+                                    "decoder_stack.cpp", "sampling.cpp", "routed_experts.cpp")]
 # -ffast-math lets the dot products and sums vectorise; infinities stay (the softmax max starts at -inf).
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++17", "-fPIC"]
 
@@ -150,6 +152,8 @@ def library() -> ctypes.CDLL | None:
         getattr(lib, name).restype = ctypes.c_int
     lib.decoder_stack.argtypes = [p, p]  # structures: kernels/decoder_stack.py
     lib.decoder_stack.restype = ctypes.c_int
+    lib.routed_experts.argtypes = [p, i, p, i, p, p, p]  # the layer's structure: kernels/routed_experts.py
+    lib.routed_experts.restype = ctypes.c_int
     lib.linear_packed_f32.argtypes = [p, p, p, p, i, i, i]
     lib.linear_packed_f32.restype = None
     declare_quant(lib)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from . import cpu_kernels, quant
+from .routed_experts import RoutedExperts, RoutedExpertsStruct
 
 _MAX_PARTS = 3  # kMaxParts in csrc/decoder_stack.cpp
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -31,7 +32,8 @@ class _Layer(ctypes.Structure):
     _fields_ = [("in_norm", _p), ("post_norm", _p), ("q_norm", _p), ("k_norm", _p), ("qkv", _Linear), ("o", _Linear),
                 ("gate_up", _Linear), ("down", _Linear), ("k_cache", _p), ("v_cache", _p), ("window", _i),
                 ("scale", _f), ("softcap", _f), ("rope", _i), ("attn_out_norm", _p), ("mlp_out_norm", _p),
-                ("act", _i), ("post_norm_layout", _i), ("qk_norm_whole", _i)]
+                ("act", _i), ("post_norm_layout", _i), ("qk_norm_whole", _i),
+                ("moe", ctypes.POINTER(RoutedExpertsStruct))]
 
 
 class _Model(ctypes.Structure):
@@ -77,11 +79,12 @@ class LayerWeights:
     act: str = "silu"  # the gated MLP's activation: "silu" or "gelu_tanh"
     post_norm_layout: bool = False  # OLMo 2: no norm before a branch, its output normed into the stream
     qk_norm_whole: bool = False  # q_norm [H * D] and k_norm [Hkv * D]: each normed over all its heads
+    moe: RoutedExperts | None = None  # a mixture-of-experts layer's routed experts (gate_up and down then empty)
 
 
 def supported(layers: list[LayerWeights]) -> bool:
-    """Whether the compiled stack can run these layers (every linear a kernel type, fp32
-    norms, an fp32 or bf16 cache)."""
+    """Whether the compiled stack can run these layers (every linear a kernel type, or the
+    routed experts' compiled layer in place of the MLP; fp32 norms, an fp32 or bf16 cache)."""
     if cpu_kernels.library() is None:
         return False
     for lw in layers:
@@ -95,7 +98,9 @@ def supported(layers: list[LayerWeights]) -> bool:
             return False
         if lw.k_cache.dtype not in (torch.float32, torch.bfloat16) or lw.v_cache.dtype != lw.k_cache.dtype:
             return False
-        for lin in (lw.qkv, lw.o, lw.gate_up, lw.down):
+        if lw.moe is not None and (lw.gate_up.parts or lw.down.parts):
+            return False
+        for lin in (lw.qkv, lw.o) if lw.moe is not None else (lw.qkv, lw.o, lw.gate_up, lw.down):
             if not 1 <= len(lin.parts) <= _MAX_PARTS or any(not quant.supported(q) for q, _, _ in lin.parts):
                 return False
             if lin.bias is not None and (lin.bias.dtype != torch.float32 or not lin.bias.is_contiguous()):
@@ -129,7 +134,8 @@ class DecoderStack:
                 lw.k_cache.data_ptr(), lw.v_cache.data_ptr(), lw.window or 0, lw.scale, lw.softcap or 0.0,
                 lw.rope, lw.attn_out_norm.data_ptr() if lw.attn_out_norm is not None else None,
                 lw.mlp_out_norm.data_ptr() if lw.mlp_out_norm is not None else None, ACTS[lw.act],
-                int(lw.post_norm_layout), int(lw.qk_norm_whole))
+                int(lw.post_norm_layout), int(lw.qk_norm_whole),
+                ctypes.pointer(lw.moe.struct) if lw.moe is not None else None)
         self._table = table
         self._model = _Model(len(layers), hidden, num_heads, num_kv_heads, head_dim, intermediate,
                              layers[0].k_cache.shape[1], int(layers[0].k_cache.dtype == torch.bfloat16),

@@ -243,6 +243,8 @@ class LlamaForCausalLM(nn.Module):
             f.add("attention_softcap")
         if c.moe is not None:
             f.add("experts")
+            if c.moe.shared_intermediate_size:
+                f.add("shared_expert")
         return frozenset(f)
 
     def reset_rope(self) -> None:

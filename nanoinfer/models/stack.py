@@ -33,8 +33,9 @@ def _linear(module: nn.Module) -> LinearWeights | None:
 # the outputs normed), rotary from the model's tables (LongRoPE's too; Gemma's windowed layers
 # from their own local tables) on the whole of each head or on its first part, or none in a NoPE
 # layer, q/k RMSNorm per head or over all heads, biased q/k/v, per-layer windows and attention
-# soft-caps, the SiLU- or GELU(tanh)-gated MLP.
-STACK_FEATURES = frozenset({"norm_pre", "norm_sandwich", "norm_post", "rms_norm", "mlp_silu", "mlp_gelu_tanh",
+# soft-caps, the SiLU- or GELU(tanh)-gated MLP, or routed experts (kernels/routed_experts.py; not
+# Qwen2-MoE's shared expert).
+STACK_FEATURES = frozenset({"experts", "norm_pre", "norm_sandwich", "norm_post", "rms_norm", "mlp_silu", "mlp_gelu_tanh",
                             "qk_norm", "qk_norm_over_heads", "attention_bias", "window", "attention_softcap",
                             "nope_layers", "partial_rotary", "local_rotary_base"})
 
@@ -52,7 +53,14 @@ def _build(model: nn.Module, attention: AttentionBackend) -> DecoderStack | None
     layers = []
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        moe = None
+        if hasattr(mlp, "compiled"):  # a routed-experts block (models/moe.py): its compiled layer, if any
+            moe = mlp.compiled()
+            if moe is None or mlp.shared_expert is not None:
+                return None
+            linears = [_linear(attn.qkv_proj), _linear(attn.o_proj), LinearWeights([]), LinearWeights([])]
+        else:
+            linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         if any(lin is None for lin in linears):
             return None
         p = attention.params[i]
@@ -68,8 +76,9 @@ def _build(model: nn.Module, attention: AttentionBackend) -> DecoderStack | None
             attn.q_norm.weight.detach() if attn.q_norm is not None else None,
             attn.k_norm.weight.detach() if attn.k_norm is not None else None, rope,
             layer.post_attention_layernorm.weight.detach() if sandwich or post else None,
-            layer.post_feedforward_layernorm.weight.detach() if sandwich or post else None, mlp.act,
-            post_norm_layout=post, qk_norm_whole=config.qk_norm_over_heads))
+            layer.post_feedforward_layernorm.weight.detach() if sandwich or post else None,
+            "silu" if moe is not None else mlp.act, post_norm_layout=post, qk_norm_whole=config.qk_norm_over_heads,
+            moe=moe))
     if not decoder_stack.supported(layers):
         return None
     return DecoderStack(layers, config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,

@@ -1,9 +1,10 @@
 // The decoder layers of a Llama-family model (Llama, Mistral, Qwen2/3, SmolLM, Phi-3, Gemma 2/3,
-// OLMo 2) as one call: for every layer, RMSNorm (with the residual add), the q/k/v projection,
-// q/k norms where the model has them (per head, or over all heads), rotary, k and v written to
-// their cache slots, paged attention, the output projection, RMSNorm, gate/up, the gated
-// activation, down; sandwich norms (Gemma) and post-norm layers (OLMo 2) move the norms. Weights
-// in their GGUF blocks (quant_gemm.cpp).
+// OLMo 2, and the mixtures of experts: Qwen2/3-MoE without a shared expert, Mixtral) as one call:
+// for every layer, RMSNorm (with the residual add), the q/k/v projection, q/k norms where the
+// model has them (per head, or over all heads), rotary, k and v written to their cache slots,
+// paged attention, the output projection, RMSNorm, gate/up, the gated activation, down (or the
+// routed experts: routed_experts.cpp); sandwich norms (Gemma) and post-norm layers (OLMo 2) move
+// the norms. Weights in their GGUF blocks (quant_gemm.cpp).
 //
 // Why: at batch-1 decode a layer is a dozen small operations, and calling each from Python
 // (module call, tensor allocation, ctypes, an OpenMP team started per op) cost more than the
@@ -59,6 +60,8 @@ struct StackLayer {
     // normed (attn_out_norm, mlp_out_norm) and added to the stream, which is the branches' input.
     int64_t post_norm_layout;
     int64_t qk_norm_whole;  // q and k each normed over all their heads at once (OLMo 2), not per head
+    // A mixture-of-experts layer: the routed experts in place of gate_up and down (which are empty).
+    const nanoinfer::RoutedExperts* moe;
 };
 
 struct StackModel {
@@ -128,7 +131,9 @@ extern "C" int decoder_stack(const StackModel* m, const StackStep* s) {
     const int64_t QKV = (H + 2 * Hkv) * D;
     for (int64_t l = 0; l < m->num_layers; l++) {
         const StackLayer& L = m->layers[l];
-        if (width_of(L.qkv) != QKV || width_of(L.o) != E || width_of(L.gate_up) != 2 * I || width_of(L.down) != E)
+        if (width_of(L.qkv) != QKV || width_of(L.o) != E) return 1;
+        if (L.moe ? L.moe->hidden != E || L.gate_up.nparts || L.down.nparts
+                  : width_of(L.gate_up) != 2 * I || width_of(L.down) != E)
             return 1;
     }
     if (T <= 0) return 0;
@@ -136,30 +141,34 @@ extern "C" int decoder_stack(const StackModel* m, const StackStep* s) {
     // Shared buffers: h (a norm's output), qkv, q (rotated), att (attention's output),
     // proj (the o projection's output), gu (gate and up), act (silu * up); then the
     // quantised activations and the attention's work units.
-    int64_t acts = 0;
+    int64_t acts = 0, moe_work = 0;
     for (int64_t l = 0; l < m->num_layers; l++) {
         const StackLayer& L = m->layers[l];
         acts = std::max({acts, acts_bytes(L.qkv, T, E), acts_bytes(L.o, T, H * D), acts_bytes(L.gate_up, T, E),
                          acts_bytes(L.down, T, I)});
+        if (L.moe) moe_work = std::max(moe_work, nanoinfer::routed_experts_bytes(*L.moe, T));
     }
     std::vector<int64_t> offset_buf(size_t(T + 1));
     int64_t* offset = offset_buf.data();
     const int64_t most_units = nanoinfer::attention_plan(s->ctx, T, 0, offset);  // no window: the most units
-    const int64_t sizes[] = {T * E, T * QKV, T * H * D, T * H * D, T * E, T * 2 * I, T * I, (acts + 3) / 4,
-                             most_units * H * (D + 2)};
+    const bool dense = std::any_of(m->layers, m->layers + m->num_layers, [](const StackLayer& L) { return !L.moe; });
+    const int64_t DI = dense ? I : 0;  // (a model of routed layers only needs no dense MLP buffers)
+    const int64_t sizes[] = {T * E, T * QKV, T * H * D, T * H * D, T * E, T * 2 * DI, T * DI, (acts + 3) / 4,
+                             most_units * H * (D + 2), (moe_work + 3) / 4};
     int64_t total = 0;
     for (int64_t n : sizes) total += (n + 15) / 16 * 16;  // each 64-byte aligned within the buffer
     static thread_local std::vector<float> shared;
     float* base = scratch(shared, total + 16);
     base += (16 - (reinterpret_cast<uintptr_t>(base) / 4) % 16) % 16;
-    float* parts[9];
-    for (int i = 0; i < 9; i++) {
+    float* parts[10];
+    for (int i = 0; i < 10; i++) {
         parts[i] = base;
         base += (sizes[i] + 15) / 16 * 16;
     }
     float *h = parts[0], *qkv = parts[1], *q = parts[2], *att = parts[3], *proj = parts[4], *gu = parts[5],
           *act = parts[6], *units = parts[8];
     void* qacts = parts[7];
+    void* moe_ws = parts[9];
     const bool bf16 = m->bf16_kv != 0;
     int rc = 0;
 
@@ -235,9 +244,10 @@ extern "C" int decoder_stack(const StackModel* m, const StackStep* s) {
                     else
                         nanoinfer::rms_norm_row_f32(res, p, L.post_norm, h + t * E, E, m->eps);
                 }
-                r = linear(L.gate_up, branch_in, T, E, gu, s->path, qacts);
+                r = L.moe ? nanoinfer::routed_experts_team(*L.moe, int(s->path), branch_in, T, s->x, moe_ws, nullptr, nullptr)
+                          : linear(L.gate_up, branch_in, T, E, gu, s->path, qacts);
             }
-            if (!r) {
+            if (!r && !L.moe) {
 #pragma omp for schedule(static)
                 for (int64_t t = 0; t < T; t++) {
                     if (L.act == 1)

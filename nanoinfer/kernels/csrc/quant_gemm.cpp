@@ -146,22 +146,25 @@ RowsFn pick(int qtype, int path) {
 // exactly one call, whatever the split). Decode-sized batches take every activation tile
 // for one weight row (a repacked group: 8) while it is in L1; larger ones sweep a chunk of
 // rows (kept in L1/L2) per tile of activation rows.
-void drive(const Ctx& c, RowsFn fn) {
-    const int64_t chunks = (c.N + NCHUNK - 1) / NCHUNK;
-#pragma omp for schedule(static)
-    for (int64_t ch = 0; ch < chunks; ch++) {
-        const int64_t n0 = ch * NCHUNK, n1 = std::min(c.N, n0 + NCHUNK);
-        if (c.M <= 2 * MT) {
-            for (int64_t n = n0; n < n1; n += 8)
-                for (int64_t m0 = 0; m0 < c.M; m0 += MT)
-                    fn(c, n, int(std::min<int64_t>(8, n1 - n)), m0, int(std::min<int64_t>(MT, c.M - m0)));
-        } else {
-            const int64_t step = c.grouped ? 8 : 2;
+void drive_chunk(const Ctx& c, RowsFn fn, int64_t ch) {
+    const int64_t n0 = ch * NCHUNK, n1 = std::min(c.N, n0 + NCHUNK);
+    if (c.M <= 2 * MT) {
+        for (int64_t n = n0; n < n1; n += 8)
             for (int64_t m0 = 0; m0 < c.M; m0 += MT)
-                for (int64_t n = n0; n < n1; n += step)
-                    fn(c, n, int(std::min<int64_t>(step, n1 - n)), m0, int(std::min<int64_t>(MT, c.M - m0)));
-        }
+                fn(c, n, int(std::min<int64_t>(8, n1 - n)), m0, int(std::min<int64_t>(MT, c.M - m0)));
+    } else {
+        const int64_t step = c.grouped ? 8 : 2;
+        for (int64_t m0 = 0; m0 < c.M; m0 += MT)
+            for (int64_t n = n0; n < n1; n += step)
+                fn(c, n, int(std::min<int64_t>(step, n1 - n)), m0, int(std::min<int64_t>(MT, c.M - m0)));
     }
+}
+
+int64_t chunks_of(int64_t N) { return (N + NCHUNK - 1) / NCHUNK; }
+
+void drive(const Ctx& c, RowsFn fn) {
+#pragma omp for schedule(static)
+    for (int64_t ch = 0; ch < chunks_of(c.N); ch++) drive_chunk(c, fn, ch);
 }
 
 // Where the quantised activations of M rows lie in one buffer: int8 values, then a scale per
@@ -182,6 +185,52 @@ struct Acts {
     }
     int64_t words() const { return nq + nd * ((with_s ? 2 : 1) + (with_xsum ? 1 : 0)) + nbs; }
 };
+
+// c's activation pointers into `acts`, a buffer of M rows laid out as Acts(qtype, M, K), at its row m0.
+void point_acts(Ctx& c, int qtype, int64_t M, void* acts, int64_t m0) {
+    const Acts a(qtype, M, c.K);
+    uint64_t* p = static_cast<uint64_t*>(acts);
+    c.q = reinterpret_cast<const int8_t*>(p) + m0 * c.K;
+    c.d = reinterpret_cast<const float*>(p + a.nq) + m0 * c.nb;
+    c.s = a.with_s ? reinterpret_cast<const float*>(p + a.nq + a.nd) + m0 * c.nb : nullptr;
+    c.xsum = a.with_xsum ? reinterpret_cast<const int32_t*>(p + a.nq + a.nd) + m0 * c.nb : nullptr;
+    c.bs = a.with_bs ? reinterpret_cast<const int16_t*>(p + a.nq + a.nd) + m0 * c.nb * 16 : nullptr;
+}
+
+// x's M rows quantised into `acts` as qtype's activation format, the rows split among the team.
+void quantise_team(int qtype, const float* x, int64_t M, int64_t K, void* acts) {
+    const ActsFormat f = acts_of(qtype);
+    if (f == ActsFormat::f32) return;
+    Ctx c{};
+    c.K = K, c.nb = K / block_values(qtype);
+    point_acts(c, qtype, M, acts, 0);
+    const int64_t group = f == ActsFormat::q8_K16 ? 16 : 32;
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++)
+        quantize_row(x + m * K, K, block_values(qtype), const_cast<int8_t*>(c.q) + m * K, const_cast<float*>(c.d) + m * c.nb,
+                     c.s ? const_cast<float*>(c.s) + m * c.nb : nullptr,
+                     c.xsum ? const_cast<int32_t*>(c.xsum) + m * c.nb : nullptr,
+                     c.bs ? const_cast<int16_t*>(c.bs) + m * c.nb * 16 : nullptr, group);
+}
+
+// The checks every linear makes, the same on every thread (they depend on the arguments only);
+// path resolved from PATH_BEST. Returns 0 or quant_linear_team's codes.
+int check_linear(int qtype, int& path, int64_t K, bool repacked) {
+    if (block_bytes(qtype) == 0) return -1;
+    if (repacked && interleave_of(qtype) == 1) return -5;
+    if (K <= 0 || K % block_values(qtype) != 0) return -3;
+    if (path == PATH_BEST) path = have_avx512() ? PATH_AVX512 : have_avx2() ? PATH_AVX2 : PATH_PORTABLE;
+    if ((path == PATH_AVX2 && !have_avx2()) || (path == PATH_AVX512 && !have_avx512())) return -2;
+    if (path != PATH_AVX512 && path != PATH_AVX2 && path != PATH_PORTABLE) return -2;
+    return 0;
+}
+
+Ctx linear_ctx(int qtype, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, bool repacked,
+               const float* bias, float* y, int64_t ldy) {
+    const int64_t nb = K / block_values(qtype);
+    return Ctx{M, K, N, nb, nb * block_bytes(qtype), w, x, nullptr, nullptr, nullptr, nullptr, nullptr, bias, y, ldy,
+               M <= 2 * MT, repacked ? N - N % interleave_of(qtype) : 0};
+}
 
 // out[r] = row rows[r] of w dequantised, block by block with the record's dequantize (a
 // repacked weight's blocks first taken back to their stored form).
@@ -227,38 +276,36 @@ bool same_acts(int a, int b) { return acts_of(a) == acts_of(b); }
 __attribute__((noinline)) int quant_linear_team(int qtype, int path, const float* x, int64_t M, int64_t K,
                                                 const uint8_t* w, int64_t N, bool repacked, const float* bias, float* y,
                                                 int64_t ldy, void* acts, bool quantise) {
-    if (block_bytes(qtype) == 0) return -1;
-    if (repacked && interleave_of(qtype) == 1) return -5;
-    const int64_t B = block_values(qtype);
-    if (K <= 0 || K % B != 0) return -3;
-    if (path == PATH_BEST) path = have_avx512() ? PATH_AVX512 : have_avx2() ? PATH_AVX2 : PATH_PORTABLE;
-    if ((path == PATH_AVX2 && !have_avx2()) || (path == PATH_AVX512 && !have_avx512())) return -2;
-    if (path != PATH_AVX512 && path != PATH_AVX2 && path != PATH_PORTABLE) return -2;
+    if (const int rc = check_linear(qtype, path, K, repacked)) return rc;
     const RowsFn fn = pick(qtype, path);
     if (M <= 0 || N <= 0) return 0;
-
-    Ctx c{M, K, N, K / B, K / B * block_bytes(qtype), w, x, nullptr, nullptr, nullptr, nullptr, nullptr, bias, y, ldy,
-          M <= 2 * MT, repacked ? N - N % interleave_of(qtype) : 0};
-    const ActsFormat f = acts_of(qtype);
-    if (f != ActsFormat::f32) {
-        const Acts a(qtype, M, K);
-        uint64_t* p = static_cast<uint64_t*>(acts);
-        c.q = reinterpret_cast<const int8_t*>(p);
-        c.d = reinterpret_cast<const float*>(p + a.nq);
-        c.s = a.with_s ? reinterpret_cast<const float*>(p + a.nq + a.nd) : nullptr;
-        c.xsum = a.with_xsum ? reinterpret_cast<const int32_t*>(p + a.nq + a.nd) : nullptr;
-        c.bs = a.with_bs ? reinterpret_cast<const int16_t*>(p + a.nq + a.nd) : nullptr;
-        if (quantise) {
-            const int64_t group = f == ActsFormat::q8_K16 ? 16 : 32;
-#pragma omp for schedule(static)
-            for (int64_t m = 0; m < M; m++)
-                quantize_row(x + m * K, K, B, const_cast<int8_t*>(c.q) + m * K, const_cast<float*>(c.d) + m * c.nb,
-                             c.s ? const_cast<float*>(c.s) + m * c.nb : nullptr,
-                             c.xsum ? const_cast<int32_t*>(c.xsum) + m * c.nb : nullptr,
-                             c.bs ? const_cast<int16_t*>(c.bs) + m * (K / 16) : nullptr, group);
-        }
+    Ctx c = linear_ctx(qtype, x, M, K, w, N, repacked, bias, y, ldy);
+    if (acts_of(qtype) != ActsFormat::f32) {
+        if (quantise) quantise_team(qtype, x, M, K, acts);
+        point_acts(c, qtype, M, acts, 0);
     }
     drive(c, fn);
+    return 0;
+}
+
+__attribute__((noinline)) int quant_linear_grouped_team(int qtype, int path, const float* x, int64_t K,
+                                                        const uint8_t* const* w, const int64_t* start, int64_t G,
+                                                        int64_t N, bool repacked, float* y, int64_t ldy, void* acts,
+                                                        bool quantise) {
+    if (const int rc = check_linear(qtype, path, K, repacked)) return rc;
+    const RowsFn fn = pick(qtype, path);
+    const int64_t M = G > 0 ? start[G] : 0;
+    if (M <= 0 || N <= 0) return 0;
+    if (quantise) quantise_team(qtype, x, M, K, acts);
+    const int64_t chunks = chunks_of(N);
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < G * chunks; u++) {
+        const int64_t g = u / chunks, m0 = start[g], rows = start[g + 1] - m0;
+        if (rows <= 0) continue;
+        Ctx c = linear_ctx(qtype, x + m0 * K, rows, K, w[g], N, repacked, nullptr, y + m0 * ldy, ldy);
+        if (acts_of(qtype) != ActsFormat::f32) point_acts(c, qtype, M, acts, m0);
+        drive_chunk(c, fn, u % chunks);
+    }
     return 0;
 }
 

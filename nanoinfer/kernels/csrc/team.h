@@ -18,8 +18,33 @@ int64_t quant_acts_bytes(int qtype, int64_t M, int64_t K);
 // (the previous part of a fused projection). Returns 0 or quant_linear's error codes.
 int quant_linear_team(int qtype, int path, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                       bool repacked, const float* bias, float* y, int64_t ldy, void* acts, bool quantise);
+// G weights of one type and shape [N, K] (a routed layer's experts), weight g applied to rows
+// start[g] .. start[g + 1] of x, writing those rows of y: as G calls of quant_linear_team (the
+// same bits per row), with one quantisation of all start[G] rows and one work split over every
+// weight's row chunks, so the team meets once rather than once per weight.
+int quant_linear_grouped_team(int qtype, int path, const float* x, int64_t K, const uint8_t* const* w,
+                              const int64_t* start, int64_t G, int64_t N, bool repacked, float* y, int64_t ldy,
+                              void* acts, bool quantise);
 // The same activation quantisation for weights of types a and b.
 bool same_acts(int a, int b);
+
+// ---- routed_experts.cpp ----------------------------------------------------------------
+
+// The layer as the kernels see it; kernels/routed_experts.py fills it (ctypes), the decoder
+// stack's layers point to it.
+struct RoutedExperts {
+    int64_t num_experts, top_k, norm_topk, hidden, inter;
+    const float* router;            // [num_experts, hidden] fp32
+    int64_t qtype[3], repacked[3];  // gate, up, down: every expert's in one type and layout
+    const uint8_t* const* w[3];     // [num_experts] each: gate and up [inter, hidden], down [hidden, inter]
+};
+// Bytes of work space routed_experts_team needs for T rows.
+int64_t routed_experts_bytes(const RoutedExperts& L, int64_t T);
+// out [T, hidden] = the routed experts' MLP of x [T, hidden]; `work`: routed_experts_bytes,
+// 64-byte aligned, shared by the team. choices, weights: [T, top_k] each row's experts (in
+// expert order) and their weights, written when not null. Returns 0 or quant_linear's codes.
+int routed_experts_team(const RoutedExperts& L, int path, const float* x, int64_t T, float* out, void* work,
+                        int32_t* choices, float* weights);
 
 // ---- paged_attention.cpp ---------------------------------------------------------------
 
