@@ -31,6 +31,7 @@ if shutil.which("c++") is None and shutil.which("g++") is None:
 
 TYPES = list(quant.QUANT_TYPES)
 K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
+FLOATS = (T.F32, T.F16, T.BF16)  # one value a block, fp32 activations
 WITH_MIN = {T.Q4_1: 2, T.Q5_1: 2, T.Q4_K: 2, T.Q5_K: 2}  # byte offset of the fp16 min (dmin) in a block
 MS = (1, 2, 3, 5, 8, 17, 64)
 REPACKABLE = [t for t in TYPES if quant.RECORDS[t].interleave > 1]
@@ -54,7 +55,7 @@ def test_kernel_builds():
     """With a compiler the library must build and every listed type must have a kernel."""
     assert cpu_kernels.library() is not None
     assert all(quant.supported(t) for t in TYPES)
-    assert not quant.supported(T.Q2_K) and not quant.supported(T.F32)
+    assert not quant.supported(T.Q2_K) and not quant.supported(T.IQ2_XXS)
     assert "portable" in quant.paths()
     flags = Path("/proc/cpuinfo").read_text().split() if os.path.exists("/proc/cpuinfo") else []
     if {"avx2", "fma", "f16c"} <= set(flags):
@@ -62,10 +63,10 @@ def test_kernel_builds():
 
 
 def shape(qtype: int, N: int = 37) -> tuple[int, int]:
-    """[N, K]: K a multiple of the block but not of 256 (not of 16 for F16/BF16), N odd."""
+    """[N, K]: K a multiple of the block but not of 256 (not of 16 for F32/F16/BF16), N odd."""
     if qtype in K_QUANTS:
         return N, 768
-    if qtype in (T.F16, T.BF16):
+    if qtype in FLOATS:
         return N, 100
     return N, 352  # 11 blocks of 32: a group of 8 and a tail of 3
 
@@ -96,7 +97,7 @@ def dequantize(w: np.ndarray, qtype: int) -> np.ndarray:
 
 def quantize_x(x: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x_hat (fp64) and each value's step d_x (fp64), computed in fp32 as the C++ does."""
-    if qtype in (T.F16, T.BF16):
+    if qtype in FLOATS:
         return x.double(), torch.zeros_like(x, dtype=torch.float64)
     B = 256 if qtype in K_QUANTS else 32
     M, K = x.shape
@@ -126,7 +127,7 @@ def magnitude(x_hat: torch.Tensor, w: np.ndarray, qtype: int) -> torch.Tensor:
 def chain(qtype: int, K: int) -> int:
     """Roundings that can reach one output: the per-block (or per-k) fused multiply-adds of a
     lane, plus the products of scales, the conversions and the final sums."""
-    if qtype in (T.F16, T.BF16):
+    if qtype in FLOATS:
         return K // 16 + 1
     per_block = {T.Q4_1: 3, T.Q5_1: 3, T.Q4_K: 4, T.Q5_K: 4}.get(qtype, 2)  # the mins join the chain
     return per_block * (K // gguf.GGML_QUANT_SIZES[qtype][0]) + 2
@@ -158,7 +159,7 @@ def test_matches_dequantised(case, quant_path):
             assert (err_tight <= tol).all(), f"M={M}: {(err_tight / tol).max():.3g} x the fp32 bound"
             err = (y - (x[:M].double() @ Wd.T + extra)).abs()
             assert (err <= method[:M] + tol).all(), f"M={M}: {(err / (method[:M] + tol)).max():.3g} x the bound"
-    if qtype not in (T.F16, T.BF16):  # the bound is not vacuous: the error reaches a fair share of it
+    if qtype not in FLOATS:  # the bound is not vacuous: the error reaches a fair share of it
         y = quant.linear(x, w, qtype, repacked=repacked).double()
         assert ((y - x.double() @ Wd.T).abs() / (method + tight)).max() > 0.05
 

@@ -15,7 +15,7 @@ from gguf_export import write_gguf_from_hf
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no compiled kernels")
 
 
-@pytest.fixture(scope="module", params=[("qwen3moe", "Q8_0"), ("mixtral", "Q4_1"), ("qwen2moe", "Q5_0")])
+@pytest.fixture(scope="module", params=[("qwen3moe", "Q8_0"), ("mixtral", "Q4_1"), ("qwen2moe", "Q5_0"), ("qwen3moe", "F32")])
 def blocks(request, make_hf_model, tiny_tokenizer_dir, tmp_path_factory):
     kind, qtype = request.param
     path = write_gguf_from_hf(make_hf_model(kind)[0], tiny_tokenizer_dir,

@@ -625,9 +625,11 @@ def load_gguf(
 
 def _experts(buf: mmap.mmap, info: _TensorInfo, dtype: torch.dtype | None) -> list[torch.Tensor | QuantizedTensor]:
     """A [experts, rows, columns] tensor as one matrix per expert: views of the file's blocks
-    (each expert's rows are contiguous) when kept as stored, else dequantised."""
+    (each expert's rows are contiguous) when kept as stored, else dequantised. With dtype None
+    an F32 file's experts stay as stored too: the routed-experts layer reads them in place
+    (a dense GEMM's packed copy of every expert would hold the experts twice during the load)."""
     n, rows, cols = info.shape
-    if dtype is None and info.qtype != GGMLQuantizationType.F32:
+    if dtype is None:
         data = _stored_bytes(buf, info).view(n, rows, -1)
         return [QuantizedTensor(data[e], int(info.qtype), (rows, cols), info.qtype.name) for e in range(n)]
     w = torch.from_numpy(_dequantize(buf, info)).to(dtype or torch.float32)

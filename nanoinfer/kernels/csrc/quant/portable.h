@@ -85,8 +85,20 @@ void decode256(const uint8_t* b, uint8_t* q) {
 
 // ---- dequantisation: one block to floats, exactly as gguf.quants.dequantize -------------
 
+// One value of a float type's row (F32, F16, BF16) as fp32.
 template <int T>
-void dequantize16(const uint8_t* b, float* out) { out[0] = T == BF16 ? bf16(rd16(b)) : f16(rd16(b)); }
+inline float float_at(const uint8_t* w, int64_t k) {
+    if constexpr (T == F32) {
+        float v;
+        std::memcpy(&v, w + 4 * k, 4);
+        return v;
+    } else {
+        return T == BF16 ? bf16(rd16(w + 2 * k)) : f16(rd16(w + 2 * k));
+    }
+}
+
+template <int T>
+void dequantize16(const uint8_t* b, float* out) { out[0] = float_at<T>(b, 0); }
 
 template <int T>
 void dequantize32(const uint8_t* b, float* out) {
@@ -188,18 +200,16 @@ float dotk(const uint8_t* w, int64_t nb, const ActsRow& a) {
     return acc;
 }
 
-// F16 / BF16, per output: 16 lanes (k mod 16) of fused multiply-adds over k, then a fixed tree.
-// A block is one value, so nb is K.
+// F32 / F16 / BF16, per output: 16 lanes (k mod 16) of fused multiply-adds over k, then a fixed
+// tree. A block is one value, so nb is K.
 template <int T>
-float dot16(const uint8_t* wb, int64_t K, const ActsRow& a) {
-    constexpr bool BF = T == BF16;
-    const uint16_t* w = reinterpret_cast<const uint16_t*>(wb);
+float dot16(const uint8_t* w, int64_t K, const ActsRow& a) {
     const float* x = a.x;
     float acc[16] = {};
     int64_t k = 0;
     for (; k + 16 <= K; k += 16)
-        for (int l = 0; l < 16; l++) acc[l] = madd(x[k + l], BF ? bf16(w[k + l]) : f16(w[k + l]), acc[l]);
-    for (int l = 0; k + l < K; l++) acc[l] = madd(x[k + l], BF ? bf16(w[k + l]) : f16(w[k + l]), acc[l]);
+        for (int l = 0; l < 16; l++) acc[l] = madd(x[k + l], float_at<T>(w, k + l), acc[l]);
+    for (int l = 0; k + l < K; l++) acc[l] = madd(x[k + l], float_at<T>(w, k + l), acc[l]);
     float v[8];
     for (int j = 0; j < 8; j++) v[j] = opaque(acc[j] + acc[j + 8]);
     return hsum8(v);

@@ -314,17 +314,20 @@ QG_AVX2 void groupk_avx2(const Ctx& c, int64_t n, int64_t m0) {
     group_store(c, n, m0, R, acc);
 }
 
-template <bool BF>
-QG_AVX2 inline __m256 load8_16(const uint16_t* p) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    if constexpr (BF) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+// 8 values of a float type's row (F32, F16, BF16) from value k on, as fp32.
+template <int T>
+QG_AVX2 inline __m256 load8_float(const uint8_t* w, int64_t k) {
+    if constexpr (T == F32) return _mm256_loadu_ps(reinterpret_cast<const float*>(w) + k);
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2 * k));
+    if constexpr (T == BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     return _mm256_cvtph_ps(h);
 }
 
-// F16 / BF16: 16 lanes (k mod 16) of fused multiply-adds per output, as dot16_portable.
-template <bool BF, int R, bool PF>
+// F32 / F16 / BF16: 16 lanes (k mod 16) of fused multiply-adds per output, as dot16.
+template <int T, int R, bool PF>
 QG_AVX2 void tile16_avx2(const Ctx& c, int64_t n, int64_t m0) {
-    const uint16_t* w = reinterpret_cast<const uint16_t*>(c.w + n * c.rb);
+    constexpr int64_t size = block_bytes(T);
+    const uint8_t* w = c.w + n * c.rb;
     const int64_t K = c.K;
     const float* x[R];
     __m256 a0[R], a1[R];
@@ -334,18 +337,18 @@ QG_AVX2 void tile16_avx2(const Ctx& c, int64_t n, int64_t m0) {
     }
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
-        if (PF && k % 32 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + k) + kPrefetch, _MM_HINT_T0);
-        const __m256 w0 = load8_16<BF>(w + k), w1 = load8_16<BF>(w + k + 8);
+        if (PF && k % (64 / size) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + size * k) + kPrefetch, _MM_HINT_T0);
+        const __m256 w0 = load8_float<T>(w, k), w1 = load8_float<T>(w, k + 8);
         for (int i = 0; i < R; i++) {
             a0[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x[i] + k), w0, a0[i]);
             a1[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x[i] + k + 8), w1, a1[i]);
         }
     }
     if (k < K) {  // the tail, zero-padded to 16
-        alignas(32) uint16_t wt[16] = {};
+        alignas(32) uint8_t wt[16 * size] = {};
         alignas(32) float xt[16] = {};
-        std::memcpy(wt, w + k, (K - k) * 2);
-        const __m256 w0 = load8_16<BF>(wt), w1 = load8_16<BF>(wt + 8);
+        std::memcpy(wt, w + size * k, (K - k) * size);
+        const __m256 w0 = load8_float<T>(wt, 0), w1 = load8_float<T>(wt, 8);
         for (int i = 0; i < R; i++) {
             std::memcpy(xt, x[i] + k, (K - k) * 4);
             a0[i] = _mm256_fmadd_ps(_mm256_load_ps(xt), w0, a0[i]);
@@ -364,7 +367,7 @@ template <int T, int R, bool PF>
 QG_AVX2 void tile_avx2(const Ctx& c, int64_t n, int64_t m0) {
     if constexpr (interleave_of(T) == kGroup && block_values(T) == 32) group32_avx2<T, R, PF>(c, n, m0);
     else if constexpr (interleave_of(T) == kGroup) groupk_avx2<T, R, PF>(c, n, m0);
-    else tile16_avx2<T == BF16, R, PF>(c, n, m0);
+    else tile16_avx2<T, R, PF>(c, n, m0);
 }
 
 template <int T, bool PF>
@@ -412,7 +415,7 @@ QG_AVX2 __attribute__((noinline)) int64_t dot_peak_avx2(int64_t reps) {
 
 // The types this path has kernels for; on this path any other type runs its portable dot.
 constexpr bool avx2_has(int t) {
-    return t == F16 || t == BF16 || t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q5_1 || t == Q8_0 || t == Q4_K ||
+    return t == F32 || t == F16 || t == BF16 || t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q5_1 || t == Q8_0 || t == Q4_K ||
            t == Q5_K || t == Q6_K;
 }
 
