@@ -3,8 +3,9 @@ a tensor as a GGUF file stores it, [N, row_bytes] uint8, each row K / block_size
 llama.cpp's layout. The types with kernels, their block sizes and activation formats are one
 table that the C++ reads too: csrc/quant/types.def, parsed here at import (`RECORDS`). The
 activations are quantised per block as llama.cpp does (q8_0 / q8_1 for the 32-value formats,
-q8_K for the K-quants), so each block's dot product is an exact integer sum; F16 and BF16
-weights meet the fp32 activations as they are.
+q8_K for the K-quants), so each block's dot product is an exact integer sum; F32, F16 and
+BF16 weights meet the fp32 activations as they are (F32: an F32 file's experts, which the
+routed-experts layer reads in place).
 
 The block types run repacked (`repack`, at load; the record's `interleave`): rows in groups
 of 8, each block of the 8 rows interleaved 4 values at a time (csrc/quant/packed.h), so the
@@ -99,7 +100,7 @@ def _sizes(qtype: int) -> tuple[str, int, int]:
 
 
 def block_size(qtype: int) -> int:
-    """Values per block (1 for F16/BF16)."""
+    """Values per block (1 for F32/F16/BF16)."""
     return _sizes(qtype)[1]
 
 

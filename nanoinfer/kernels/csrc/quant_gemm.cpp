@@ -22,8 +22,8 @@
 //   q8_1 (Q4_1, Q5_1)        q8_0 plus s = d * sum(q) (the weight's min times s)
 //   q8_K32, q8_K16 (Q4_K, Q5_K; Q6_K)  per 256 values one d, int8 q, and the sums of q per 32
 //                            (Q4_K, Q5_K: times the sub-block mins) or per 16 (Q6_K: its -32)
-// (d and s stay fp32 where llama.cpp rounds them to fp16.) F16 and BF16 weights take the fp32
-// activations as they are (f32), converting weights on the fly.
+// (d and s stay fp32 where llama.cpp rounds them to fp16.) F32, F16 and BF16 weights take the
+// fp32 activations as they are (f32), converting 16-bit weights on the fly.
 //
 // Batch invariance: a row's quantisation depends on that row only, threads split N (never
 // K), and each output y[m, n] is one fixed sequence of float operations whatever M, the tile
@@ -41,7 +41,7 @@
 // d_w * d_x times the block's exact integer dot (then, Q4_1 and Q5_1, m_w times s_x; a repacked
 // kernel keeps 8 outputs' chains in the lanes of one vector); per output of a K-quant, 8 lanes
 // (and 4 for the mins) each take one fused multiply-add per 256-block, summed in fixed trees at
-// the end (dotk); per output of F16/BF16, 16 lanes (k mod 16) of fused multiply-adds over k,
+// the end (dotk); per output of F32/F16/BF16, 16 lanes (k mod 16) of fused multiply-adds over k,
 // then a fixed tree. Bias last.
 //
 // Work split: rows of W in chunks of 16 per thread (OpenMP, static), only when the matrix is
