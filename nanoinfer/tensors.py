@@ -3,7 +3,8 @@ row by row, and what they mean. Loaders produce it, the model builder decides wh
 runs it or it is dequantised, and the quantised linears in kernels/ consume it."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,6 +16,9 @@ class QuantizedTensor:
     shape: tuple[int, int]  # the logical [rows, K]
     type_name: str = ""  # "Q4_K", ... for messages
     repacked: bool = False  # rows in the kernels' repacked layout (kernels/csrc/quant/packed.h), not the file's
+    # Drops the source's pages (a mapped file's) from memory: for whoever replaces `data` with a
+    # copy, so that a load holds the file's pages of one tensor at a time, not all of them.
+    release: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
     def take_rows(self, index: torch.Tensor) -> QuantizedTensor:
         """These rows, in this order (a copy): rows are whole blocks, so reordering them is exact."""

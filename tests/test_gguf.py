@@ -476,3 +476,28 @@ def test_missing_tensor_and_metadata(tmp_path):
     del meta["llama.block_count"]
     with pytest.raises(ModelLoadError, match=r"llama\.block_count"):
         gguf_config(meta)
+
+
+def test_a_weight_copied_for_the_kernels_drops_its_file_pages(default_gguf):
+    """The loader's block tensors can release their mapped pages; a QuantLinear that repacks one
+    (a copy) releases them at once, so the load holds one tensor's file pages at a time, and the
+    view still reads the same bytes afterwards (the pages come back from the file)."""
+    from nanoinfer.kernels import quant
+    from nanoinfer.kernels.quant_linear import QuantLinear
+    from nanoinfer.tensors import QuantizedTensor
+
+    _, state, _, _ = load_gguf(default_gguf, dtype=None)
+    t = next(v for v in state.values() if isinstance(v, QuantizedTensor) and v.shape[0] >= 8)
+    before = t.data.clone()
+    calls = []
+    release = t.release
+    t.release = lambda: (calls.append(1), release())
+    layer = QuantLinear([t])
+    assert calls == ([1] if layer.parts[0] is not t else [])
+    if quant.RECORDS[t.qtype].interleave > 1 and layer.parts[0].repacked:
+        assert calls == [1]
+    assert torch.equal(t.data, before)
+
+    f16 = QuantizedTensor(torch.zeros(8, 64, dtype=torch.uint8), 1, (8, 32), "F16", release=lambda: calls.append(2))
+    QuantLinear([f16])  # no copy: nothing to release
+    assert 2 not in calls

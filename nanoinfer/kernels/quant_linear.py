@@ -22,7 +22,7 @@ class QuantLinear(nn.Module):
 
     def __init__(self, parts: list[QuantizedTensor], bias: torch.Tensor | None = None):
         super().__init__()
-        self.parts = [quant.repack(p) for p in parts]
+        self.parts = [_repacked(p) for p in parts]
         self.in_features = parts[0].shape[1]
         self.out_features = sum(p.shape[0] for p in parts)
         for i, p in enumerate(self.parts):  # buffers: .to() and memory accounting see them; not in state_dict
@@ -50,7 +50,7 @@ class QuantEmbedding(nn.Module):
 
     def __init__(self, table: QuantizedTensor):
         super().__init__()
-        self.table = table = quant.repack(table)
+        self.table = table = _repacked(table)
         self.num_embeddings, self.embedding_dim = table.shape
         self.register_buffer("data", table.data, persistent=False)
 
@@ -61,6 +61,14 @@ class QuantEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.table.type_name}"
+
+
+def _repacked(t: QuantizedTensor) -> QuantizedTensor:
+    """quant.repack(t); where that is a copy, t's source pages (a mapped file's) are dropped."""
+    out = quant.repack(t)
+    if out is not t and t.release is not None:
+        t.release()
+    return out
 
 
 def has_block_weights(model: nn.Module) -> bool:

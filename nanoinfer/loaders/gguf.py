@@ -631,14 +631,26 @@ def _experts(buf: mmap.mmap, info: _TensorInfo, dtype: torch.dtype | None) -> li
     n, rows, cols = info.shape
     if dtype is None:
         data = _stored_bytes(buf, info).view(n, rows, -1)
-        return [QuantizedTensor(data[e], int(info.qtype), (rows, cols), info.qtype.name) for e in range(n)]
+        each = info.nbytes // n
+        return [QuantizedTensor(data[e], int(info.qtype), (rows, cols), info.qtype.name,
+                                release=functools.partial(_release, buf, info.offset + e * each, each))
+                for e in range(n)]
     w = torch.from_numpy(_dequantize(buf, info)).to(dtype or torch.float32)
     return list(w.unbind(0))
 
 
-def _release(buf: mmap.mmap) -> None:
-    if hasattr(mmap, "MADV_DONTNEED") and not buf.closed:
+def _release(buf: mmap.mmap, offset: int = 0, nbytes: int | None = None) -> None:
+    """Drop the mapped file's pages (all, or those of one tensor) from this process's memory;
+    read again from the file if touched again, so a page shared with a neighbour is safe to drop."""
+    if not hasattr(mmap, "MADV_DONTNEED") or buf.closed:
+        return
+    if nbytes is None:
         buf.madvise(mmap.MADV_DONTNEED)
+        return
+    start = offset - offset % mmap.PAGESIZE
+    end = min(len(buf), offset + nbytes)
+    if end > start:
+        buf.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def _stored_bytes(buf: mmap.mmap, info: _TensorInfo) -> torch.Tensor:
@@ -650,7 +662,7 @@ def _stored_bytes(buf: mmap.mmap, info: _TensorInfo) -> torch.Tensor:
 
 def _as_stored(buf: mmap.mmap, info: _TensorInfo) -> QuantizedTensor:
     return QuantizedTensor(_stored_bytes(buf, info).view(info.shape[0], -1), int(info.qtype), info.shape,
-                           info.qtype.name)
+                           info.qtype.name, release=functools.partial(_release, buf, info.offset, info.nbytes))
 
 
 def dequantize(qt: QuantizedTensor) -> torch.Tensor:
