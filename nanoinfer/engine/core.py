@@ -153,7 +153,7 @@ class LLMEngine:
         if n >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {n} tokens but the context window is {self.max_model_len}: "
-                f"no room to generate (shorten the prompt)")
+                f"no room to generate (shorten the prompt)", code="context_length_exceeded")
         vocab = self.model_config.vocab_size
         bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:

@@ -122,6 +122,7 @@ class SamplingFields(Request):
     logit_bias: dict[str, int | float] | None = None  # token id (as JSON keys are strings) -> bias in [-100, 100]
     prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs, with this many alternatives
     priority: int = 0  # vLLM's: lower is served first under --scheduling-policy priority (ignored under fcfs)
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last k tokens (-1: as many as fit); overflow.py
 
 
 def _prompt(value: Any) -> Any:
@@ -200,6 +201,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True  # vLLM's: the template's opening of the assistant's turn
     continue_final_message: bool = False  # vLLM's: the last (assistant) message is continued, not closed
     parse_special: bool = False  # special-token text in messages becomes the token (default: stays text)
+    truncation: Literal["auto", "disabled"] | None = None  # "auto": drop the oldest turns to fit (overflow.py)
 
 
 class TokenizeRequest(Request):

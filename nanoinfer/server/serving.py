@@ -26,6 +26,7 @@ from ..tokenizer.tool_prompt import with_tools
 from .access import AccessPolicy
 from .constraints import request_constraint
 from .outputs import CompletionLogprobs, TokenText, chat_logprobs, sse, usage, vllm_prompt_logprobs
+from .overflow import TRUNCATED_MESSAGES_HEADER, TRUNCATED_TOKENS_HEADER, fit_chat, prompt_keep
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, check_fields, message_dicts
 from .tool_calls import ToolCallParser, parse_tool_calls
 
@@ -65,6 +66,7 @@ RELAXED_HEADER = "X-Structured-Output-Relaxed"  # schema keywords decoding did n
 class Prompt:
     text: str | None
     ids: list[int]
+    cut: int = 0  # tokens truncate_prompt_tokens took off its start
 
 
 class Serving:
@@ -233,10 +235,15 @@ class Serving:
     async def completions(self, req: CompletionRequest, request):
         self.check_model(req.model)
         check_fields(req, "/v1/completions")
+        keep = prompt_keep(req.truncate_prompt_tokens, self.max_model_len, req.max_tokens)
         if req.suffix is not None:
+            if keep is not None:
+                raise APIError("truncate_prompt_tokens with suffix: cutting a fill-in-the-middle prompt would cut its "
+                               "markers; shorten the prefix instead", "truncate_prompt_tokens", code="invalid_value")
             prompts = [await self.fim_prompt(req)]
         else:
-            prompts = await self.completion_prompts(req.prompt, req.parse_special)
+            prompts = await self.completion_prompts(req.prompt, req.parse_special, keep)
+        cut = sum(p.cut for p in prompts)
         if req.max_tokens == 0 and not (req.echo or req.prompt_logprobs is not None):
             raise APIError("max_tokens=0 generates nothing: it is for scoring a prompt, with echo (and logprobs) or "
                            "prompt_logprobs", "max_tokens", code="invalid_value")
@@ -245,6 +252,8 @@ class Serving:
         # OpenAI's default of 16, within what the window leaves
         default = min(COMPLETIONS_DEFAULT_MAX_TOKENS, self.max_model_len - max(len(p.ids) for p in prompts))
         spec, headers = await self.constraint(req)
+        if cut:
+            headers[TRUNCATED_TOKENS_HEADER] = str(cut)
         params = self.sampling_params(req, max_tokens=req.max_tokens, max_tokens_param="max_tokens",
                                       default_max_tokens=default, logprobs=req.logprobs,
                                       logprobs_param="logprobs", prompt_logprobs=prompt_logprobs,
@@ -295,7 +304,8 @@ class Serving:
         self.validate_prompt(ids, "prompt")
         return Prompt(req.prompt, ids)
 
-    async def completion_prompts(self, prompt, parse_special: bool = True) -> list[Prompt]:
+    async def completion_prompts(self, prompt, parse_special: bool = True, keep: int | None = None) -> list[Prompt]:
+        """The prompts' ids; with `keep`, each cut to its last `keep` tokens (its text then dropped)."""
         if isinstance(prompt, str) or prompt and all(isinstance(t, int) for t in prompt):
             prompt = [prompt]
         if not prompt:
@@ -306,10 +316,13 @@ class Serving:
         out = []
         for p in prompt:
             if isinstance(p, str):
-                self.check_prompt_chars(len(p), "prompt")
+                if keep is None:
+                    self.check_prompt_chars(len(p), "prompt")
                 out.append(Prompt(p, await self.encode(self.tokenizer.encode, p, parse_special=parse_special)))
             else:
                 out.append(Prompt(None, list(p)))
+            if keep is not None and len(out[-1].ids) > keep:
+                out[-1] = Prompt(None, out[-1].ids[-keep:], cut=len(out[-1].ids) - keep)
             self.validate_prompt(out[-1].ids, "prompt")
         return out
 
@@ -371,7 +384,8 @@ class Serving:
         if not req.messages:
             raise APIError("messages must be a non-empty list", "messages")
         messages = message_dicts(req.messages)
-        self.check_prompt_chars(_chat_chars(messages), "messages")
+        if req.truncation != "auto" and req.truncate_prompt_tokens is None:  # (cut below: tokenized whole)
+            self.check_prompt_chars(_chat_chars(messages), "messages")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         choice = req.tool_choice
         if choice is not None and choice != "none" and not tools:
@@ -394,17 +408,30 @@ class Serving:
         params = self.sampling_params(req, max_tokens=max_tokens, max_tokens_param=mt_param,
                                       logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                       logprobs_param="top_logprobs", structured_outputs=spec)
-        rendered, template_tools = self.template_input(messages, tools)
-        try:
-            ids = await self.encode(self.tokenizer.encode_chat, rendered, tools=template_tools,
-                                    parse_special=req.parse_special,
-                                    add_generation_prompt=req.add_generation_prompt,
-                                    continue_final_message=req.continue_final_message,
-                                    **(req.chat_template_kwargs or {}))
-        except InvalidRequestError as e:
-            raise APIError(str(e), e.param or "messages", code=e.code or "invalid_value") from None
-        except TypeError as e:  # chat_template_kwargs tried to set messages/tools/add_generation_prompt
-            raise APIError(f"chat_template_kwargs: {e}", "chat_template_kwargs", code="invalid_value") from None
+
+        async def encode(msgs: list[dict]) -> list[int]:
+            rendered, template_tools = self.template_input(msgs, tools)
+            try:
+                return await self.encode(self.tokenizer.encode_chat, rendered, tools=template_tools,
+                                         parse_special=req.parse_special,
+                                         add_generation_prompt=req.add_generation_prompt,
+                                         continue_final_message=req.continue_final_message,
+                                         **(req.chat_template_kwargs or {}))
+            except InvalidRequestError as e:
+                raise APIError(str(e), e.param or "messages", code=e.code or "invalid_value") from None
+            except TypeError as e:  # chat_template_kwargs tried to set messages/tools/add_generation_prompt
+                raise APIError(f"chat_template_kwargs: {e}", "chat_template_kwargs", code="invalid_value") from None
+
+        if req.truncation == "auto":
+            ids, dropped = await fit_chat(messages, encode, self.max_model_len, max_tokens, mt_param)
+            if dropped:
+                headers[TRUNCATED_MESSAGES_HEADER] = str(dropped)
+        else:
+            ids = await encode(messages)
+        keep = prompt_keep(req.truncate_prompt_tokens, self.max_model_len, max_tokens)
+        if keep is not None and len(ids) > keep:
+            headers[TRUNCATED_TOKENS_HEADER] = str(len(ids) - keep)
+            ids = ids[-keep:]
         self.validate_prompt(ids, "messages")
         self.check_window(len(ids), max_tokens, mt_param)
         prompts = [Prompt(None, ids)]
