@@ -9,7 +9,6 @@ import shutil
 
 import pytest
 import torch
-from torch import nn
 
 from nanoinfer.bench.perplexity import perplexity, read_text
 from nanoinfer.cli import main
@@ -106,29 +105,48 @@ def test_bos_replaces_each_chunks_first_token(llama_dir, tmp_path, capsys):
     assert with_bos["ppl"] != pytest.approx(without["ppl"], rel=1e-4)
 
 
-class UniformLM(nn.Module):
-    """Equal logits over `vocab` tokens (ppl is exactly `vocab`); records what it was given."""
+class UniformScorer:
+    """A scorer of equal probabilities over `vocab` tokens (ppl is exactly `vocab`); records the chunks."""
 
     def __init__(self, vocab: int):
-        super().__init__()
         self.vocab, self.seen = vocab, []
 
-    def forward(self, batch):
-        self.seen.append((batch.input_ids.tolist(), batch.positions.tolist(), batch.logits_indices.tolist()))
-        return torch.zeros(len(batch.logits_indices), self.vocab)
+    def __call__(self, chunk: list[int]) -> torch.Tensor:
+        self.seen.append(list(chunk))
+        return torch.full((len(chunk) - len(chunk) // 2 - 1,), math.log(self.vocab), dtype=torch.float64)
 
 
 def test_protocol_chunks_bos_and_scored_rows():
     ids = list(range(10, 10 + 8 * 3 + 5))  # three chunks of 8 and a tail of 5, dropped
-    lm = UniformLM(50)
-    r = perplexity(lm, ids, 8, bos=1)
+    score = UniformScorer(50)
+    r = perplexity(score, ids, 8, bos=1)
     assert r.ppl == pytest.approx(50) and r.chunks == 3 and r.tokens_scored == 3 * 3 and r.num_tokens == len(ids)
-    assert [s[0] for s in lm.seen] == [[1, *ids[c * 8 + 1:(c + 1) * 8]] for c in range(3)]
-    assert all(s[1] == list(range(8)) and s[2] == [4, 5, 6] for s in lm.seen)  # fresh from 0; rows ctx/2 .. ctx-2
+    assert score.seen == [[1, *ids[c * 8 + 1:(c + 1) * 8]] for c in range(3)]
     assert ids[:2] == [10, 11]  # the caller's ids are left alone
-    lm = UniformLM(50)
-    perplexity(lm, ids, 7, bos=None, max_chunks=2)  # odd ctx: first = 3, rows 3 .. 5
-    assert [s[0] for s in lm.seen] == [ids[:7], ids[7:14]] and lm.seen[0][2] == [3, 4, 5]
+    score = UniformScorer(50)
+    perplexity(score, ids, 7, bos=None, max_chunks=2)
+    assert score.seen == [ids[:7], ids[7:14]]
+
+
+def test_the_engine_scores_the_second_half(llama_dir):
+    """engine_scorer: a chunk's tokens first+1 .. ctx-1 (first = ctx // 2), each given the
+    tokens before it, through the engine's cache: the uncached forward's log-softmax, and a
+    bf16 cache moves the figures as it moves generation."""
+    from nanoinfer import LLM
+    from nanoinfer.bench.perplexity import engine_scorer
+    from nanoinfer.reference import prompt_logprobs_uncached
+
+    chunk = list(range(40, 40 + 17))  # odd ctx: first = 8, tokens 9 .. 16
+    llm = LLM(llama_dir, dtype="float32", max_model_len=17, enable_prefix_caching=False)  # a full window: scoring
+    nll = engine_scorer(llm)(chunk)
+    reference = prompt_logprobs_uncached(llm.loaded.model, chunk)
+    assert nll.shape == (8,)
+    torch.testing.assert_close(nll, -torch.tensor(reference[8:], dtype=torch.float64), rtol=1e-5, atol=1e-5)
+    bf16 = engine_scorer(LLM(llama_dir, dtype="float32", max_model_len=17, kv_cache_dtype="bfloat16",
+                             enable_prefix_caching=False))(chunk)
+    assert not torch.equal(bf16, nll)
+    rounded = prompt_logprobs_uncached(llm.loaded.model, chunk, kv_dtype=torch.bfloat16)
+    torch.testing.assert_close(bf16, -torch.tensor(rounded[8:], dtype=torch.float64), rtol=1e-4, atol=1e-4)
 
 
 def test_chunks_limits_the_run(llama_dir, tmp_path, capsys):

@@ -17,8 +17,11 @@ The protocol, as tools/perplexity/perplexity.cpp runs it:
   printed as "[1]12.3456,[2]...," and at the end "Final estimate: PPL = x +/- y", the
   error as llama.cpp estimates it (the standard error of the mean NLL, times ppl).
 
-The model runs its own forward (`model(ForwardBatch.whole(ids))`) with the LM head on the
-scored rows only; log-softmax is taken in float64, as llama.cpp sums its exponentials.
+Each chunk is one request to the engine, as llama.cpp's chunks go through its KV cache: a
+prompt scored by `prompt_logprobs` with nothing generated, prefilled in the engine's chunks
+into its paged KV cache and attending over the keys as the cache stores them, so
+`--kv-cache-dtype` changes the figure as it changes generation (prefix caching off: nothing
+carries over between chunks).
 """
 from __future__ import annotations
 
@@ -32,11 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch import nn
 
-from ..cli_args import add_model_args, positive_int
+from ..cli_args import add_model_args, byte_size, positive_int
 from ..errors import NanoinferError
-from ..models.batch import ForwardBatch
+from ..sampling import SamplingParams
 
 
 @dataclass
@@ -89,26 +91,31 @@ def count_chunks(num_tokens: int, ctx: int, max_chunks: int | None = None) -> in
     return n_chunks if max_chunks is None else min(n_chunks, max_chunks)
 
 
-@torch.inference_mode()
-def chunk_nll(model: nn.Module, chunk: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
-    """Negative log-likelihoods (float64) of tokens first+1 .. ctx-1 of one chunk, each
-    given the tokens before it, first = ctx // 2: one uncached forward, the LM head on
-    rows first .. ctx-2 only."""
-    ctx = len(chunk)
-    first = ctx // 2
-    ids = torch.tensor(chunk, device=device)
-    rows = torch.arange(first, ctx - 1, device=device)
-    logits = model(ForwardBatch.whole(ids, logits_indices=rows))  # [ctx - 1 - first, vocab], fp32
-    logprobs = torch.log_softmax(logits.double(), dim=-1)
-    return -logprobs.gather(1, ids[first + 1:].unsqueeze(1)).squeeze(1).cpu()
+# One chunk's ids -> the negative log-likelihoods of its tokens first+1 .. ctx-1 (first = ctx // 2).
+ChunkScorer = Callable[[list[int]], torch.Tensor]
 
 
-def perplexity(model: nn.Module, ids: list[int], ctx: int, *, bos: int | None = None, max_chunks: int | None = None,
-               device: torch.device | str = "cpu",
+def engine_scorer(llm) -> ChunkScorer:
+    """Chunks scored by an LLM's engine: the chunk as a prompt with prompt_logprobs and no
+    generated token, its keys and values through the engine's paged KV cache."""
+    params = SamplingParams(max_tokens=0, prompt_logprobs=0, temperature=0)
+
+    def score(chunk: list[int]) -> torch.Tensor:
+        (out,) = llm.generate([{"prompt_token_ids": chunk}], params, use_tqdm=False)
+        first = len(chunk) // 2
+        lps = out.prompt_logprobs
+        return torch.tensor([-lps[i][chunk[i]].logprob for i in range(first + 1, len(chunk))], dtype=torch.float64)
+
+    return score
+
+
+def perplexity(score: ChunkScorer, ids: list[int], ctx: int, *, bos: int | None = None,
+               max_chunks: int | None = None,
                on_chunk: Callable[[int, float], None] | None = None) -> PerplexityResult:
     """llama.cpp's perplexity over `ids` (already tokenised, BOS included where the model
-    adds one). bos: the id that replaces each chunk's first token (None: the model adds no
-    BOS, chunks are the text as it is). on_chunk(i, running_ppl) after each chunk, from 1."""
+    adds one), each chunk scored by `score` (engine_scorer). bos: the id that replaces each
+    chunk's first token (None: the model adds no BOS, chunks are the text as it is).
+    on_chunk(i, running_ppl) after each chunk, from 1."""
     n_chunks = count_chunks(len(ids), ctx, max_chunks)
     t0 = time.perf_counter()
     nll_sum = nll2_sum = 0.0
@@ -118,7 +125,7 @@ def perplexity(model: nn.Module, ids: list[int], ctx: int, *, bos: int | None = 
         chunk = ids[i * ctx:(i + 1) * ctx]
         if bos is not None:
             chunk[0] = bos  # a fresh copy: the text's ids stay as they are
-        nll = chunk_nll(model, chunk, device)
+        nll = score(chunk)
         nll_sum += float(nll.sum())
         nll2_sum += float((nll * nll).sum())
         count += len(nll)
@@ -151,8 +158,7 @@ def read_text(path: str) -> str:
 def run(a: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from ..llm import DTYPES
-    from ..models.builder import load_model
+    from ..llm import DTYPES, LLM
 
     check_ctx(a.ctx)
     text = read_text(a.file)  # a bad flag or a missing file fails before the model loads
@@ -162,12 +168,17 @@ def run(a: argparse.Namespace) -> int:
         device = torch.device(a.device)
     except RuntimeError:
         raise NanoinferError(f"--device {a.device!r}: not a device (cpu, cuda, cuda:N)") from None
-    lm = load_model(a.model, dtype=DTYPES[a.dtype], device=device)
-    window = lm.config.max_position_embeddings
-    if a.ctx > window:
-        raise NanoinferError(f"--ctx {a.ctx} is longer than the model's context window ({window})")
-    print(f"[{lm.path.name}: {lm.format}, {lm.config.architecture}, {a.dtype}, loaded in {lm.load_seconds:.1f}s]",
-          file=sys.stderr)
+    # a chunk is a prompt of ctx tokens that generates nothing: a window of ctx holds it
+    llm = LLM(a.model, dtype=a.dtype, device=str(device), max_model_len=a.ctx, kv_cache_dtype=a.kv_cache_dtype,
+              enable_prefix_caching=False, attention_backend=a.attention_backend, kv_cache_memory=a.kv_cache_memory)
+    lm = llm.loaded
+    if llm.max_model_len < a.ctx:
+        window = lm.config.max_position_embeddings
+        raise NanoinferError(f"--ctx {a.ctx} is longer than the model's context window ({window})" if a.ctx > window
+                             else f"--ctx {a.ctx} does not fit the KV pool ({llm.max_model_len} tokens): "
+                                  f"set --kv-cache-memory")
+    print(f"[{lm.path.name}: {lm.format}, {lm.config.architecture}, {a.dtype}, KV cache "
+          f"{str(llm.engine.kv_dtype).removeprefix('torch.')}, loaded in {lm.load_seconds:.1f}s]", file=sys.stderr)
 
     ids, add_bos = text_ids(lm.tokenizer, text)
     n_chunks = count_chunks(len(ids), a.ctx, a.chunks)  # a short text fails here, before the bar
@@ -187,8 +198,8 @@ def run(a: argparse.Namespace) -> int:
         bar.update(1)
 
     try:
-        r = perplexity(lm.model, ids, a.ctx, bos=lm.tokenizer.bos_token_id if add_bos else None,
-                       max_chunks=a.chunks, device=device, on_chunk=on_chunk)
+        r = perplexity(engine_scorer(llm), ids, a.ctx, bos=lm.tokenizer.bos_token_id if add_bos else None,
+                       max_chunks=a.chunks, on_chunk=on_chunk)
     except KeyboardInterrupt:
         bar.close()
         print(f"\n[stopped after {bar.n} of {n_chunks} chunks]", file=sys.stderr)
@@ -202,7 +213,8 @@ def run(a: argparse.Namespace) -> int:
     if a.json:
         doc = {"ppl": r.ppl, "ppl_stderr": r.ppl_stderr, "nll": r.nll, "tokens_scored": r.tokens_scored,
                "num_tokens": r.num_tokens, "ctx": r.ctx, "chunks": r.chunks, "add_bos": r.add_bos,
-               "model": str(lm.path), "dtype": a.dtype, "device": str(device), "file": a.file,
+               "model": str(lm.path), "dtype": a.dtype, "kv_cache_dtype": str(llm.engine.kv_dtype).removeprefix("torch."),
+               "device": str(device), "file": a.file,
                "seconds": round(r.seconds, 3), "running_ppl": [round(p, 6) for p in r.running_ppl]}
         print(json.dumps(doc), flush=True)
     return 0
@@ -213,10 +225,15 @@ def add_perplexity_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "perplexity", help="perplexity on a text file, by llama.cpp's protocol",
         description="Perplexity on FILE as llama.cpp's llama-perplexity computes it: consecutive chunks of CTX "
-                    "tokens, each evaluated alone, scored on their second half. Running figures and the final "
+                    "tokens, each evaluated alone through the engine's KV cache, scored on their second half. "
+                    "Running figures and the final "
                     "estimate on stdout, progress on stderr.")
     p.add_argument("file", metavar="FILE", help="UTF-8 text (at least 2 x CTX tokens)")
-    add_model_args(p, max_model_len=False, attention_backend=False)  # each chunk runs uncached
+    add_model_args(p, max_model_len=False)  # (the window: ctx + 1)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="the KV cache's dtype, as for generation (default auto: bf16 for a GGUF run in its blocks)")
+    p.add_argument("--kv-cache-memory", type=byte_size, default=None,
+                   help="KV pool size (default: what the machine allows)")
     p.add_argument("--ctx", "-c", type=positive_int, default=512, help="tokens per chunk (default 512)")
     p.add_argument("--chunks", type=positive_int, default=None, help="evaluate the first N chunks only (default all)")
     p.add_argument("--json", action="store_true", help="end with one JSON line of every figure")

@@ -146,11 +146,12 @@ class LLMEngine:
         self.prefill_tokens = 0  # prompt tokens run through the model (a prefix-cache hit or an n-fork runs none)
 
     # --- requests ---------------------------------------------------------------
-    def validate_prompt(self, prompt_ids: list[int]) -> None:
+    def validate_prompt(self, prompt_ids: list[int], scoring: bool = False) -> None:
+        """scoring: the request generates nothing (max_tokens 0), so the prompt may fill the window."""
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty")
         n = len(prompt_ids)
-        if n >= self.max_model_len:
+        if n > self.max_model_len or (n == self.max_model_len and not scoring):
             raise InvalidRequestError(
                 f"the prompt has {n} tokens but the context window is {self.max_model_len}: "
                 f"no room to generate (shorten the prompt)", code="context_length_exceeded")
@@ -161,7 +162,7 @@ class LLMEngine:
 
     def validate_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Everything add_request refuses, checked without adding (so a batch can be checked whole first)."""
-        self.validate_prompt(prompt_ids)
+        self.validate_prompt(prompt_ids, scoring=params.max_tokens == 0)
         vocab = self.model_config.vocab_size
         params.check_vocabulary(vocab)
         if params.n > self.config.max_num_seqs:
