@@ -57,9 +57,9 @@ class ModelConfig:
     # era constants) and the file's fields as read ("hf_config", "gguf_fields")
     extra: dict = field(default_factory=dict)
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V of one token in every layer."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, value_bytes: float) -> int:
+        """K and V of one token in every layer, at value_bytes a value (q8_0: 34 / 32)."""
+        return math.ceil(self.num_layers * 2 * self.num_kv_heads * self.head_dim * value_bytes)
 
     def rotary_dims(self) -> int:
         return self.rotary_dim or self.head_dim

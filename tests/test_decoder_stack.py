@@ -118,6 +118,17 @@ def test_stack_over_an_fp32_cache(ggufs):
     assert run(llm, True) == run(llm, False)
 
 
+def test_stack_over_a_q8_0_cache(ggufs):
+    """kv_cache_dtype="q8_0": the stack quantises k and v as the modules' path does, and reads them alike."""
+    if cpu_stack_unavailable():
+        pytest.skip("no compiled kernels")
+    llm = LLM(ggufs["qwen3"], dtype="auto", kv_cache_dtype="q8_0", max_num_batched_tokens=32)
+    assert llm.engine.cache.k.dtype == torch.uint8
+    with_stack = run(llm, True)
+    assert llm.loaded.model.__dict__["_decoder_stack"][1] is not None
+    assert run(llm, False) == with_stack
+
+
 def test_kv_cache_dtype_rule(ggufs):
     from nanoinfer.errors import InvalidRequestError
 

@@ -5,17 +5,19 @@ from dataclasses import dataclass
 
 import torch
 
+from . import kv_cache
 from .base import AttentionParams, causal_mask, sdpa
 
 
 @dataclass
 class CausalAttention:
     params: list[AttentionParams]  # per layer
-    kv_dtype: torch.dtype | None = None  # round k and v to this dtype first, as a cache of it stores them
+    kv_dtype: torch.dtype | None = None  # round k and v to this format first, as a cache of it stores them
 
     def forward(self, layer, q, k, v, metadata=None):
         if self.kv_dtype is not None:
-            k, v = k.to(self.kv_dtype).to(q.dtype), v.to(self.kv_dtype).to(q.dtype)
+            k = kv_cache.read(kv_cache.store(k, self.kv_dtype), q.dtype)
+            v = kv_cache.read(kv_cache.store(v, self.kv_dtype), q.dtype)
         T, p = q.shape[0], self.params[layer]
         if p.window is None or p.window >= T:
             return sdpa(q, k, v, None, p, causal=True)

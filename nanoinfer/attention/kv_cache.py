@@ -1,5 +1,16 @@
-"""The KV pool's tensors: [layers, num_blocks, block_size, kv_heads, head_dim] for k and v.
-Which block belongs to whom is the engine's KV manager's business; this is only storage."""
+"""The KV pool's tensors: [layers, num_blocks, block_size, kv_heads, D'] for k and v, and the
+formats a token's k and v are stored in. Which block belongs to whom is the engine's KV
+manager's business; this is only storage.
+
+Formats (the cache tensor's dtype names them):
+- float32, bfloat16, float16: each value as that dtype (D' = head_dim);
+- Q8_0 (stored as uint8): each head's row of head_dim values in GGML's q8_0 blocks, 34 bytes
+  per 32 values (an fp16 scale d, then 32 int8 q; D' = head_dim / 32 * 34, 0.53x bf16's bytes).
+  A token's blocks depend on that token alone (no scale is shared with tokens written later),
+  so chunking and batching change nothing. d = max|x| * (1/127) in fp32 (stored rounded to
+  fp16), q = round-half-even(x * (127 / max|x|)); read back as q * d16, exactly. Every query,
+  the writing step's own included, attends over the values as read back.
+"""
 from __future__ import annotations
 
 import math
@@ -7,6 +18,66 @@ import mmap
 from dataclasses import dataclass, field
 
 import torch
+
+from ..kernels import cpu_kernels
+
+Q8_0 = torch.uint8  # the q8_0 format's storage dtype: the cache dtype that names it
+Q8_BLOCK, Q8_BLOCK_BYTES = 32, 34
+
+
+def is_q8(dtype: torch.dtype) -> bool:
+    return dtype == Q8_0
+
+
+def format_name(dtype: torch.dtype) -> str:
+    """The name kv_cache_dtype takes for this format: "q8_0", "bfloat16", ..."""
+    return "q8_0" if is_q8(dtype) else str(dtype).removeprefix("torch.")
+
+
+def stored_dim(dtype: torch.dtype, head_dim: int) -> int:
+    """The cache tensor's last dimension: values, or bytes of q8_0 blocks."""
+    if is_q8(dtype):
+        if head_dim % Q8_BLOCK:
+            raise ValueError(f"a q8_0 KV cache needs a head size that is a multiple of 32, not {head_dim}")
+        return head_dim // Q8_BLOCK * Q8_BLOCK_BYTES
+    return head_dim
+
+
+def value_bytes(dtype: torch.dtype) -> float:
+    """Bytes per stored value: what the pool's size rule counts."""
+    return Q8_BLOCK_BYTES / Q8_BLOCK if is_q8(dtype) else torch.empty(0, dtype=dtype).element_size()
+
+
+def store(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x [..., head_dim] as the cache stores it (q8_0: [..., stored_dim] bytes)."""
+    if not is_q8(dtype):
+        return x.to(dtype)
+    if x.device.type == "cpu" and cpu_kernels.library() is not None:  # the decoder stack writes with it too
+        return cpu_kernels.kv_quantize_q8(x)
+    return quantize_q8(x)
+
+
+def quantize_q8(x: torch.Tensor) -> torch.Tensor:
+    """The q8_0 format in PyTorch (any device); csrc's kv_quantize_q8 gives the same bytes."""
+    *lead, D = x.shape
+    xb = x.float().reshape(*lead, D // Q8_BLOCK, Q8_BLOCK)
+    amax = xb.abs().amax(-1, keepdim=True)
+    d = amax * torch.tensor(1.0 / 127, dtype=torch.float32)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros((), device=x.device))
+    q = torch.round(xb * inv).clamp(-127, 127).to(torch.int8)
+    blocks = torch.cat([d.half().view(torch.uint8), q.view(torch.uint8)], dim=-1)
+    return blocks.reshape(*lead, D // Q8_BLOCK * Q8_BLOCK_BYTES)
+
+
+def read(stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Stored k or v as values of `dtype` (the queries')."""
+    if not is_q8(stored.dtype):
+        return stored.to(dtype)
+    *lead, nbytes = stored.shape
+    blocks = stored.reshape(*lead, nbytes // Q8_BLOCK_BYTES, Q8_BLOCK_BYTES)
+    d = blocks[..., :2].contiguous().view(torch.float16).float()
+    q = blocks[..., 2:].contiguous().view(torch.int8).float()
+    return (q * d).reshape(*lead, nbytes // Q8_BLOCK_BYTES * Q8_BLOCK).to(dtype)
 
 
 @dataclass
@@ -21,7 +92,7 @@ class PagedKVCache:
     @classmethod
     def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device) -> PagedKVCache:
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, stored_dim(dtype, head_dim))
         if torch.device(device).type == "cpu":
             return cls(_untouched_zeros(shape, dtype), _untouched_zeros(shape, dtype))
         return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import kv_cache
 from .base import AttentionBackend, AttentionBatch, attend, causal_mask, index_tensor, sdpa
 
 
@@ -90,13 +91,13 @@ class TorchPagedAttention(AttentionBackend):
         return PagedMetadata.build(batch, self.cache.block_size, self.cache.k.device, self.every_row_reads_the_cache)
 
     def forward(self, layer, q, k, v, meta: PagedMetadata):
-        kc, vc = self.cache.k[layer], self.cache.v[layer]  # [blocks, block_size, Hkv, D]
-        nb, bs, H, D = kc.shape
-        # k and v as stored (a bf16 cache under fp32 activations rounds them), then read back
-        # at the queries' dtype: every query attends over the stored values
-        k, v = k.to(kc.dtype), v.to(vc.dtype)
-        kc.view(nb * bs, H, D).index_copy_(0, meta.slot_mapping, k)
-        vc.view(nb * bs, H, D).index_copy_(0, meta.slot_mapping, v)
+        kc, vc = self.cache.k[layer], self.cache.v[layer]  # [blocks, block_size, Hkv, D'] (kv_cache.py)
+        nb, bs, H, Ds = kc.shape
+        # k and v as stored (a bf16 cache under fp32 activations rounds them, q8_0 quantises
+        # them), then read back at the queries' dtype: every query attends over the stored values
+        k, v = kv_cache.store(k, kc.dtype), kv_cache.store(v, vc.dtype)
+        kc.view(nb * bs, H, Ds).index_copy_(0, meta.slot_mapping, k)
+        vc.view(nb * bs, H, Ds).index_copy_(0, meta.slot_mapping, v)
         q = q.contiguous()
         out = torch.empty_like(q)
         p = self.params[layer]
@@ -105,9 +106,9 @@ class TorchPagedAttention(AttentionBackend):
             if s.ctx_len == s.q_len:  # nothing cached before this chunk: its own k/v are all the keys
                 keys, vals = k[rows], v[rows]
             else:  # index_select copies whole blocks; it is several times faster than fancy indexing
-                keys = kc.index_select(0, s.table).view(-1, H, D)[:s.ctx_len]
-                vals = vc.index_select(0, s.table).view(-1, H, D)[:s.ctx_len]
-            keys, vals = keys.to(q.dtype), vals.to(q.dtype)
+                keys = kc.index_select(0, s.table).view(-1, H, Ds)[:s.ctx_len]
+                vals = vc.index_select(0, s.table).view(-1, H, Ds)[:s.ctx_len]
+            keys, vals = kv_cache.read(keys, q.dtype), kv_cache.read(vals, q.dtype)
             if s.ctx_len == s.q_len and (p.window is None or p.window >= s.q_len):
                 out[rows] = sdpa(q[rows], keys, vals, None, p, causal=True)
             else:
@@ -120,10 +121,10 @@ class TorchPagedAttention(AttentionBackend):
                meta: PagedMetadata) -> None:
         """The one-token rows: their blocks gathered into one padded batch."""
         B = meta.decode_rows.shape[0]
-        _, bs, H, D = kc.shape
+        _, bs, H, Ds = kc.shape
         flat = meta.decode_tables.view(-1)
-        keys = kc.index_select(0, flat).view(B, -1, H, D).transpose(1, 2).to(q.dtype)  # [B, Hkv, S, D]
-        vals = vc.index_select(0, flat).view(B, -1, H, D).transpose(1, 2).to(q.dtype)
+        keys = kv_cache.read(kc.index_select(0, flat).view(B, -1, H, Ds), q.dtype).transpose(1, 2)  # [B, Hkv, S, D]
+        vals = kv_cache.read(vc.index_select(0, flat).view(B, -1, H, Ds), q.dtype).transpose(1, 2)
         qd = q[meta.decode_rows].unsqueeze(2)  # [B, H, 1, D]
         p = self.params[layer]
         out[meta.decode_rows] = attend(qd, keys, vals, meta.decode_mask(p.window, bs), p).squeeze(2)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..cli_args import add_engine_args, add_model_args, add_speculative_arg, run_command
+from ..cli_args import KV_CACHE_DTYPES, add_engine_args, add_model_args, add_speculative_arg, run_command
 
 
 def _common(p: argparse.ArgumentParser, peaks: bool = False) -> None:
@@ -76,6 +76,8 @@ def _add_commands(sub) -> None:
                           "input-grounded code edit, a document quote and a free story (fields of "
                           "--speculative-config override the defaults; draft_model needs its \"model\")")
     add_speculative_arg(lat)
+    lat.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                     help="the KV cache's format, as the engine takes it (default auto)")
     lat.add_argument("--runs", type=int, default=3,
                      help="rounds of --compare or --speculative, alternating which goes first; medians reported "
                           "(default 3)")

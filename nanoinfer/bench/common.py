@@ -83,7 +83,8 @@ def setup(args: argparse.Namespace, need_peaks: bool = True) -> BenchEnv:
                               getattr(args, "remeasure_peaks", False), block=has_block_weights(loaded.model))
     else:
         peaks = Peaks(0.0, 0.0, "unused", device_name(device))
-    return BenchEnv(args, device, dtype, loaded, peaks, Roofline.for_model(loaded.model, loaded.config))
+    kv = getattr(args, "kv_cache_dtype", "auto")
+    return BenchEnv(args, device, dtype, loaded, peaks, Roofline.for_model(loaded.model, loaded.config, kv))
 
 
 # --- timing and memory ------------------------------------------------------------------

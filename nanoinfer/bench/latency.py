@@ -97,7 +97,7 @@ def run_batch(env: BenchEnv, batch: int, prompt_len: int, decode_len: int, seed:
     engine = LLMEngine(env.loaded, EngineConfig(
         max_model_len=total, kv_cache_memory=kv_pool_bytes(rl, [total] * batch, BLOCK_SIZE),
         block_size=BLOCK_SIZE, max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len,
-        attention_backend=env.args.attention_backend))
+        attention_backend=env.args.attention_backend, kv_cache_dtype=env.args.kv_cache_dtype))
     params = SamplingParams(temperature=0.0, max_tokens=decode_len, ignore_eos=True)
     reset_peak_memory(env.device)
     for i, prompt in enumerate(batch_prompts(env, batch, prompt_len, seed)):
@@ -159,7 +159,8 @@ def warm_up(env: BenchEnv) -> None:
     rl = env.roofline
     engine = LLMEngine(env.loaded, EngineConfig(max_model_len=40, kv_cache_memory=kv_pool_bytes(rl, [40, 40], BLOCK_SIZE),
                                                 block_size=BLOCK_SIZE, max_num_batched_tokens=64,
-                                                attention_backend=env.args.attention_backend))
+                                                attention_backend=env.args.attention_backend,
+                                                kv_cache_dtype=env.args.kv_cache_dtype))
     rng = random.Random(0)
     for i in range(2):
         engine.add_request(str(i), random_prompt(rng, 32, env.loaded.config.vocab_size),

@@ -36,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-from ..cli_args import add_model_args, byte_size, positive_int
+from ..attention import kv_cache
+from ..cli_args import KV_CACHE_DTYPES, add_model_args, byte_size, positive_int
 from ..errors import NanoinferError
 from ..sampling import SamplingParams
 
@@ -178,7 +179,7 @@ def run(a: argparse.Namespace) -> int:
                              else f"--ctx {a.ctx} does not fit the KV pool ({llm.max_model_len} tokens): "
                                   f"set --kv-cache-memory")
     print(f"[{lm.path.name}: {lm.format}, {lm.config.architecture}, {a.dtype}, KV cache "
-          f"{str(llm.engine.kv_dtype).removeprefix('torch.')}, loaded in {lm.load_seconds:.1f}s]", file=sys.stderr)
+          f"{kv_cache.format_name(llm.engine.kv_dtype)}, loaded in {lm.load_seconds:.1f}s]", file=sys.stderr)
 
     ids, add_bos = text_ids(lm.tokenizer, text)
     n_chunks = count_chunks(len(ids), a.ctx, a.chunks)  # a short text fails here, before the bar
@@ -213,7 +214,7 @@ def run(a: argparse.Namespace) -> int:
     if a.json:
         doc = {"ppl": r.ppl, "ppl_stderr": r.ppl_stderr, "nll": r.nll, "tokens_scored": r.tokens_scored,
                "num_tokens": r.num_tokens, "ctx": r.ctx, "chunks": r.chunks, "add_bos": r.add_bos,
-               "model": str(lm.path), "dtype": a.dtype, "kv_cache_dtype": str(llm.engine.kv_dtype).removeprefix("torch."),
+               "model": str(lm.path), "dtype": a.dtype, "kv_cache_dtype": kv_cache.format_name(llm.engine.kv_dtype),
                "device": str(device), "file": a.file,
                "seconds": round(r.seconds, 3), "running_ppl": [round(p, 6) for p in r.running_ppl]}
         print(json.dumps(doc), flush=True)
@@ -230,8 +231,9 @@ def add_perplexity_parser(subparsers) -> argparse.ArgumentParser:
                     "estimate on stdout, progress on stderr.")
     p.add_argument("file", metavar="FILE", help="UTF-8 text (at least 2 x CTX tokens)")
     add_model_args(p, max_model_len=False)  # (the window: ctx + 1)
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="the KV cache's dtype, as for generation (default auto: bf16 for a GGUF run in its blocks)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="the KV cache's dtype, as for generation: auto (bf16 for a GGUF run in its blocks, else the "
+                        "model's) | float32 | bfloat16 | q8_0 (8-bit blocks, 0.53x bf16's bytes)")
     p.add_argument("--kv-cache-memory", type=byte_size, default=None,
                    help="KV pool size (default: what the machine allows)")
     p.add_argument("--ctx", "-c", type=positive_int, default=512, help="tokens per chunk (default 512)")

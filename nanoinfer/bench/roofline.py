@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..attention import kv_cache
 from ..config import ModelConfig
 from ..engine.core import kv_cache_dtype
 
@@ -132,11 +133,11 @@ def _keys_seen(context: int, window: int | None) -> int:
     return context if window is None else min(context, window)
 
 
-def kv_bytes_read(config: ModelConfig, context: int, dtype_bytes: int) -> int:
+def kv_bytes_read(config: ModelConfig, context: int, dtype_bytes: float) -> int:
     """KV bytes one sequence's decode step reads when it attends over `context` keys:
     each layer reads only the keys inside its window."""
     per_key = 2 * config.num_kv_heads * config.head_dim * dtype_bytes
-    return sum(per_key * _keys_seen(context, w) for w in layer_windows(config))
+    return round(sum(per_key * _keys_seen(context, w) for w in layer_windows(config)))
 
 
 def attention_flops_per_key(config: ModelConfig) -> int:
@@ -175,11 +176,11 @@ def prefill_flops(config: ModelConfig, num_tokens: int, past: int = 0, logits_ro
 class Roofline:
     config: ModelConfig
     weights: WeightBytes
-    kv_dtype_bytes: int  # the KV cache's dtype as the engine picks it by default (kv_cache_dtype)
+    kv_dtype_bytes: float  # bytes per value of the KV cache's format (kv_cache_dtype; q8_0: 34 / 32)
 
     @classmethod
-    def for_model(cls, model: nn.Module, config: ModelConfig) -> Roofline:
-        return cls(config, model_weight_bytes(model, config), kv_cache_dtype(model).itemsize)
+    def for_model(cls, model: nn.Module, config: ModelConfig, kv_dtype: str = "auto") -> Roofline:
+        return cls(config, model_weight_bytes(model, config), kv_cache.value_bytes(kv_cache_dtype(model, kv_dtype)))
 
     @property
     def kv_bytes_per_token(self) -> int:

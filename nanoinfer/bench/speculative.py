@@ -100,7 +100,7 @@ def run_speculative(env: BenchEnv, args: argparse.Namespace, decode_len: int) ->
                for name, parts in tasks().items()}
     max_len = min(max(map(len, prompts.values())) + decode_len + 32, context)
     base_cfg = EngineConfig(max_model_len=max_len, max_num_seqs=1, max_num_batched_tokens=max_len,
-                            attention_backend=env.args.attention_backend)
+                            attention_backend=env.args.attention_backend, kv_cache_dtype=env.args.kv_cache_dtype)
     engines = {"off": LLMEngine(env.loaded, base_cfg),
                "on": LLMEngine(env.loaded, replace(base_cfg, speculative_config=config))}
     for e in engines.values():  # first calls pay for lazy set-up

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..attention import PagedKVCache, backend_class
+from ..attention import PagedKVCache, backend_class, kv_cache
 from ..distributed.executor import TensorParallelExecutor, WorkerSetup
 from ..distributed.sharding import rank_config
 from ..errors import InvalidRequestError, NanoinferError, RequestFailedError
@@ -64,7 +64,7 @@ class EngineConfig:
 logger = logging.getLogger("nanoinfer.engine")
 
 
-KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+KV_CACHE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "q8_0": kv_cache.Q8_0}
 
 
 def kv_cache_dtype(model: torch.nn.Module, requested: str = "auto") -> torch.dtype:
@@ -96,7 +96,10 @@ class LLMEngine:
         tp = config.tensor_parallel_size
         rank_mc = rank_config(mc, tp) if tp > 1 else mc  # what this process's attention and KV pool hold
         # One sequence must always fit in the pool, or preemption could never make room.
-        plan = plan_kv_pool(rank_mc.kv_bytes_per_token(self.kv_dtype.itemsize), config.block_size,
+        if kv_cache.is_q8(self.kv_dtype) and mc.head_dim % kv_cache.Q8_BLOCK:
+            raise InvalidRequestError(f"kv_cache_dtype=q8_0 needs a head size that is a multiple of 32; this model's is "
+                                      f"{mc.head_dim}", "kv_cache_dtype")
+        plan = plan_kv_pool(rank_mc.kv_bytes_per_token(kv_cache.value_bytes(self.kv_dtype)), config.block_size,
                             mc.max_position_embeddings, config.max_model_len, config.kv_cache_memory,
                             config.max_num_seqs, MemoryBudget.now(), config.kv_memory_share)
         if plan.note:

@@ -54,7 +54,8 @@ def _flags() -> list[str]:
     return FLAGS + shlex.split(os.environ.get("NANOINFER_CXXFLAGS", ""))
 # (query dtype, cache dtype) -> entry point; fp32 queries over a bf16 cache: the block-format path
 DECODE_ENTRY_POINTS = {(torch.float32, torch.float32): "paged_decode_f32", (torch.bfloat16, torch.bfloat16): "paged_decode_bf16",
-                       (torch.float32, torch.bfloat16): "paged_decode_f32_bf16kv"}
+                       (torch.float32, torch.bfloat16): "paged_decode_f32_bf16kv",
+                       (torch.float32, torch.uint8): "paged_decode_f32_q8kv"}  # uint8: q8_0 blocks
 LAYER_OP_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # csrc/layer_ops.cpp: rms_norm_f32, ...
 
 
@@ -151,6 +152,8 @@ def library() -> ctypes.CDLL | None:
         getattr(lib, name).argtypes = [p, p, p, p, p, i, p, p, i, i, i, i, i, i, i, ctypes.c_float, ctypes.c_float]
         getattr(lib, name).restype = ctypes.c_int
     lib.decoder_stack.argtypes = [p, p]  # structures: kernels/decoder_stack.py
+    lib.kv_quantize_q8.argtypes = [p, i, i, p]
+    lib.kv_quantize_q8.restype = None
     lib.decoder_stack.restype = ctypes.c_int
     lib.routed_experts.argtypes = [p, i, p, i, p, p, p]  # the layer's structure: kernels/routed_experts.py
     lib.routed_experts.restype = ctypes.c_int
@@ -195,7 +198,17 @@ def declare_quant(lib: ctypes.CDLL) -> None:
 
 
 def decode_supported(cache: torch.Tensor) -> bool:
-    return cache.device.type == "cpu" and cache.dtype in (torch.float32, torch.bfloat16) and library() is not None
+    return (cache.device.type == "cpu" and cache.dtype in (torch.float32, torch.bfloat16, torch.uint8)
+            and library() is not None)
+
+
+def kv_quantize_q8(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] fp32 -> its q8_0 blocks [..., D / 32 * 34] (attention/kv_cache.py's format)."""
+    *lead, D = x.shape
+    x = x.float().contiguous()
+    out = torch.empty(*lead, D // 32 * 34, dtype=torch.uint8)
+    library().kv_quantize_q8(x.data_ptr(), x.numel() // D, D, out.data_ptr())
+    return out
 
 
 def paged_decode(q: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, k_cache: torch.Tensor,

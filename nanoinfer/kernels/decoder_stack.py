@@ -38,7 +38,7 @@ class _Layer(ctypes.Structure):
 
 class _Model(ctypes.Structure):
     _fields_ = [("num_layers", _i), ("hidden", _i), ("H", _i), ("Hkv", _i), ("D", _i), ("inter", _i),
-                ("block_size", _i), ("bf16_kv", _i), ("layers", ctypes.POINTER(_Layer)), ("eps", _f),
+                ("block_size", _i), ("kv_format", _i), ("layers", ctypes.POINTER(_Layer)), ("eps", _f),
                 ("rotary_dims", _i)]
 
 
@@ -54,6 +54,8 @@ class LinearWeights:
     bias: torch.Tensor | None = None
 
 
+# csrc/team.h's KVFormat, by the cache tensor's dtype (uint8: q8_0 blocks, attention/kv_cache.py)
+KV_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}
 ROPE_NONE, ROPE_GLOBAL, ROPE_LOCAL = 0, 1, 2  # csrc/decoder_stack.cpp: StackLayer.rope
 ACTS = {"silu": 0, "gelu_tanh": 1}  # StackLayer.act
 
@@ -66,7 +68,7 @@ class LayerWeights:
     o: LinearWeights
     gate_up: LinearWeights
     down: LinearWeights
-    k_cache: torch.Tensor  # this layer's [blocks, block_size, Hkv, D], fp32 or bf16
+    k_cache: torch.Tensor  # this layer's [blocks, block_size, Hkv, D'], fp32, bf16 or q8_0 (uint8)
     v_cache: torch.Tensor
     window: int | None
     scale: float
@@ -84,7 +86,7 @@ class LayerWeights:
 
 def supported(layers: list[LayerWeights]) -> bool:
     """Whether the compiled stack can run these layers (every linear a kernel type, or the
-    routed experts' compiled layer in place of the MLP; fp32 norms, an fp32 or bf16 cache)."""
+    routed experts' compiled layer in place of the MLP; fp32 norms, an fp32, bf16 or q8_0 cache)."""
     if cpu_kernels.library() is None:
         return False
     for lw in layers:
@@ -96,7 +98,7 @@ def supported(layers: list[LayerWeights]) -> bool:
             return False
         if any(t.dtype != torch.float32 or not t.is_contiguous() for t in norms):
             return False
-        if lw.k_cache.dtype not in (torch.float32, torch.bfloat16) or lw.v_cache.dtype != lw.k_cache.dtype:
+        if lw.k_cache.dtype not in KV_FORMATS or lw.v_cache.dtype != lw.k_cache.dtype:
             return False
         if lw.moe is not None and (lw.gate_up.parts or lw.down.parts):
             return False
@@ -138,7 +140,7 @@ class DecoderStack:
                 ctypes.pointer(lw.moe.struct) if lw.moe is not None else None)
         self._table = table
         self._model = _Model(len(layers), hidden, num_heads, num_kv_heads, head_dim, intermediate,
-                             layers[0].k_cache.shape[1], int(layers[0].k_cache.dtype == torch.bfloat16),
+                             layers[0].k_cache.shape[1], KV_FORMATS[layers[0].k_cache.dtype],
                              ctypes.cast(table, ctypes.POINTER(_Layer)), eps, self.rotary_dims)
         self._model_ref = ctypes.byref(self._model)
 

@@ -1,6 +1,7 @@
 // What the kernels share: bf16 as torch stores it, and math written so that loops around it
 // vectorise.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -18,7 +19,80 @@ inline uint32_t bf16_round_bits(float x) {
     return (u & 0x7fffffff) > 0x7f800000 ? (u | 0x400000) & 0xffff0000u : rounded;
 }
 
+// A KV cache row in q8_0 blocks (attention/kv_cache.py): per 32 values an fp16 scale d and 32
+// int8 q, 34 bytes; value i is q * d, exactly. A pointer to Q8 is a head's row of blocks.
+struct Q8 { uint8_t byte; };
+constexpr int64_t kQ8Block = 32, kQ8Bytes = 34;
+
+inline uint32_t f32_bits(float x) { uint32_t u; std::memcpy(&u, &x, 4); return u; }
+inline float f32_from(uint32_t u) { float x; std::memcpy(&x, &u, 4); return x; }
+
+// IEEE half -> float, exactly.
+inline float half_to_float(uint16_t h) {
+    const uint32_t sign = uint32_t(h & 0x8000) << 16, em = h & 0x7fff;
+    if (em >= 0x7c00) return f32_from(sign | 0x7f800000u | (uint32_t(em & 0x3ff) << 13));  // inf, NaN
+    if (em >= 0x400) return f32_from(sign | ((em + ((127 - 15) << 10)) << 13));             // normal
+    return f32_from(f32_bits(float(em) * 5.9604644775390625e-08f) | sign);                  // subnormal: em * 2^-24
+}
+
+// float -> IEEE half, rounded to nearest even (as torch's .half()).
+inline uint16_t float_to_half(float f) {
+    uint32_t x = f32_bits(f);
+    const uint32_t sign = x & 0x80000000u;
+    x ^= sign;
+    uint16_t o;
+    if (x >= (127u + 16) << 23) {  // past the largest half: inf (NaN stays NaN)
+        o = x > 255u << 23 ? 0x7e00 : 0x7c00;
+    } else if (x < 113u << 23) {  // a half subnormal or zero: let the float add round it
+        const uint32_t magic = ((127u - 15) + (23 - 10) + 1) << 23;
+        o = uint16_t(f32_bits(f32_from(x) + f32_from(magic)) - magic);
+    } else {
+        const uint32_t odd = (x >> 13) & 1;
+        x += ((15u - 127) << 23) + 0xfff + odd;
+        o = uint16_t(x >> 13);
+    }
+    return uint16_t(o | (sign >> 16));
+}
+
+inline float q8_scale(const Q8* row, int64_t block) {
+    uint16_t h;
+    std::memcpy(&h, row + block * kQ8Bytes, 2);
+    return half_to_float(h);
+}
+
+// One head's n values (a multiple of 32) as q8_0 blocks: d = max|x| / 127 (fp32, stored as
+// fp16), q = round-half-even(x * 127 / max|x|), as kv_cache.quantize_q8 computes them.
+inline void q8_quantize_row(const float* x, int64_t n, Q8* out) {
+    for (int64_t b = 0; b < n / kQ8Block; b++) {
+        const float* xb = x + b * kQ8Block;
+        uint8_t* ob = reinterpret_cast<uint8_t*>(out + b * kQ8Bytes);
+        uint32_t abits = 0;
+        for (int64_t i = 0; i < kQ8Block; i++) abits = std::max(abits, f32_bits(xb[i]) & 0x7fffffffu);
+        const float amax = f32_from(abits);
+        const float id = amax > 0.f ? 127.f / amax : 0.f;
+        const uint16_t d = float_to_half(amax * (1.f / 127.f));
+        std::memcpy(ob, &d, 2);
+        for (int64_t i = 0; i < kQ8Block; i++) {
+            const float v = std::nearbyint(xb[i] * id);
+            ob[2 + i] = uint8_t(int8_t(std::max(-127.f, std::min(127.f, v))));
+        }
+    }
+}
+
 inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const Q8* p, int64_t i) {
+    const int64_t b = i / kQ8Block;
+    return float(int8_t((p + b * kQ8Bytes + 2 + i % kQ8Block)->byte)) * q8_scale(p, b);
+}
+// Where a head's value i lies in its row: an element for float types, within the blocks for q8_0.
+template <typename T>
+inline const T* value_ptr(const T* row, int64_t i) { return row + i; }
+inline const Q8* value_ptr(const Q8* row, int64_t i) { return row + i / kQ8Block * kQ8Bytes + i % kQ8Block; }
+// Elements of a head's row in the cache: head_dim, or its q8_0 blocks' bytes.
+template <typename T>
+constexpr int64_t head_stride(int64_t D) { return D; }
+template <>
+constexpr int64_t head_stride<Q8>(int64_t D) { return D / kQ8Block * kQ8Bytes; }
 inline float load(const BF16* p, int64_t i) {
     const uint32_t u = uint32_t(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
     float f;

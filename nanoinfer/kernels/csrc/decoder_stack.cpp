@@ -18,7 +18,7 @@
 // carries over: rows are split among threads only where each row's result is its own.
 //
 // Layouts: x, residual [T, hidden] fp32; cos, sin [T, D / 2]; the caches one layer each,
-// [blocks, block_size, Hkv, D] fp32 or bf16; slots [T], rows [T], tables [T, width], ctx [T]
+// [blocks, block_size, Hkv, D] fp32 or bf16 (or q8_0 blocks, common.h's Q8); slots [T], rows [T], tables [T, width], ctx [T]
 // as the CPU attention backend's metadata (every row a one-row query over the cache).
 #include <algorithm>
 #include <cstdint>
@@ -65,7 +65,7 @@ struct StackLayer {
 };
 
 struct StackModel {
-    int64_t num_layers, hidden, H, Hkv, D, inter, block_size, bf16_kv;
+    int64_t num_layers, hidden, H, Hkv, D, inter, block_size, kv_format;  // kv_format: team.h's KVFormat
     const StackLayer* layers;
     float eps;
     int64_t rotary_dims;  // rotary on each head's first rotary_dims values (D: all), the rest as they are
@@ -108,8 +108,13 @@ int64_t acts_bytes(const StackLinear& l, int64_t T, int64_t K) {
     return most;
 }
 
-void store_row(void* cache, bool bf16, int64_t slot, const float* src, int64_t n) {
-    if (bf16) {
+// A token's k or v (Hkv heads of D values) into its cache slot, in the cache's format.
+void store_row(void* cache, int64_t format, int64_t slot, const float* src, int64_t Hkv, int64_t D) {
+    const int64_t n = Hkv * D;
+    if (format == nanoinfer::KV_Q8_0) {
+        Q8* dst = static_cast<Q8*>(cache) + slot * Hkv * head_stride<Q8>(D);
+        for (int64_t h = 0; h < Hkv; h++) q8_quantize_row(src + h * D, D, dst + h * head_stride<Q8>(D));
+    } else if (format == nanoinfer::KV_BF16) {
         BF16* dst = static_cast<BF16*>(cache) + slot * n;
         for (int64_t i = 0; i < n; i++) store(dst, i, src[i]);
     } else {
@@ -169,7 +174,7 @@ extern "C" int decoder_stack(const StackModel* m, const StackStep* s) {
           *act = parts[6], *units = parts[8];
     void* qacts = parts[7];
     void* moe_ws = parts[9];
-    const bool bf16 = m->bf16_kv != 0;
+    const int64_t kv_format = m->kv_format;
     int rc = 0;
 
 #pragma omp parallel
@@ -223,12 +228,12 @@ extern "C" int decoder_stack(const StackModel* m, const StackStep* s) {
                         }
                     }
                     std::memcpy(q + t * H * D, qk, sizeof(float) * H * D);
-                    store_row(L.k_cache, bf16, s->slots[t], qk + H * D, Hkv * D);
-                    store_row(L.v_cache, bf16, s->slots[t], row + (H + Hkv) * D, Hkv * D);
+                    store_row(L.k_cache, kv_format, s->slots[t], qk + H * D, Hkv, D);
+                    store_row(L.v_cache, kv_format, s->slots[t], row + (H + Hkv) * D, Hkv, D);
                 }
 #pragma omp single
                 nanoinfer::attention_plan(s->ctx, T, L.window, offset);
-                nanoinfer::attention_team_f32(q, s->rows, L.k_cache, L.v_cache, bf16, s->tables, s->width, s->ctx, att,
+                nanoinfer::attention_team_f32(q, s->rows, L.k_cache, L.v_cache, int(kv_format), s->tables, s->width, s->ctx, att,
                                               T, H, Hkv, D, m->block_size, L.window, s->max_ctx, L.scale, L.softcap,
                                               offset, units, sc);
                 r = linear(L.o, att, T, H * D, proj, s->path, qacts);

@@ -9,7 +9,8 @@
 //
 // Layouts (all contiguous):
 //   q, out    [T, H, D]             rows[b] is the row of sequence b's query
-//   k, v      [blocks, block_size, Hkv, D]   one layer's cache
+//   k, v      [blocks, block_size, Hkv, D]   one layer's cache (q8_0: D / 32 blocks of 34 bytes
+//                                           per head, common.h's Q8)
 //   tables    [B, width]            block ids of each sequence, in order
 //   ctx       [B]                   keys each sequence attends over (its position + 1)
 // Query head h reads kv head h / (H / Hkv) (grouped-query attention). window > 0 keeps
@@ -61,9 +62,15 @@ inline void for_each_row(const T* cache, const int64_t* table, int64_t t0, int64
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const BF16* p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+// Values i .. i + 7 of a head's row (i a multiple of 8).
+inline __m256 load8(const float* r, int64_t i) { return _mm256_loadu_ps(r + i); }
+inline __m256 load8(const BF16* r, int64_t i) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + i))), 16));
+}
+inline __m256 load8(const Q8* r, int64_t i) {  // q * d, exactly (int8 times fp16)
+    const int64_t b = i / kQ8Block;
+    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + b * kQ8Bytes + 2 + i % kQ8Block));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_set1_ps(q8_scale(r, b)));
 }
 
 // The 8 lane sums of a[0..7], as one vector (lane j: the sum of a[j]'s lanes).
@@ -89,29 +96,29 @@ inline void dots(const float* qh, const T* rows, int64_t stride, int64_t n, floa
         __m256 a[8];
         for (int j = 0; j < 8; j++) {
             const T* r = rows + (i + j) * stride;
-            __m256 x = _mm256_mul_ps(q[0], load8(r));
-            for (int c = 1; c < D / 8; c++) x = _mm256_fmadd_ps(q[c], load8(r + 8 * c), x);
+            __m256 x = _mm256_mul_ps(q[0], load8(r, 0));
+            for (int c = 1; c < D / 8; c++) x = _mm256_fmadd_ps(q[c], load8(r, 8 * c), x);
             a[j] = x;
         }
         _mm256_storeu_ps(out + i, hsum8x8(a));
     }
     for (; i < n; i++) {
         const T* r = rows + i * stride;
-        __m256 x = _mm256_mul_ps(q[0], load8(r));
-        for (int c = 1; c < D / 8; c++) x = _mm256_fmadd_ps(q[c], load8(r + 8 * c), x);
+        __m256 x = _mm256_mul_ps(q[0], load8(r, 0));
+        for (int c = 1; c < D / 8; c++) x = _mm256_fmadd_ps(q[c], load8(r, 8 * c), x);
         out[i] = hsum(x);
     }
 }
 
-// acc[0..63] += sum_i p[i] * row i (64 values of it), in registers.
+// acc[0..63] += sum_i p[i] * (values d0 .. d0 + 63 of row i), in registers.
 template <typename T>
-inline void weighted64(const float* p, const T* rows, int64_t stride, int64_t n, float* acc) {
+inline void weighted64(const float* p, const T* rows, int64_t d0, int64_t stride, int64_t n, float* acc) {
     __m256 a[8];
     for (int c = 0; c < 8; c++) a[c] = _mm256_loadu_ps(acc + 8 * c);
     for (int64_t i = 0; i < n; i++) {
         const __m256 w = _mm256_set1_ps(p[i]);
         const T* r = rows + i * stride;
-        for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(w, load8(r + 8 * c), a[c]);
+        for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(w, load8(r, d0 + 8 * c), a[c]);
     }
     for (int c = 0; c < 8; c++) _mm256_storeu_ps(acc + 8 * c, a[c]);
 }
@@ -141,7 +148,7 @@ void attend_part(const float* qf, const T* k, const T* v, const int64_t* table, 
                  int64_t bs, int64_t Hkv, int64_t hk, int64_t G, int64_t D, float softcap, float* s, float* acc,
                  float* m, float* l) {
     if (D_ > 0) D = D_;
-    const int64_t S = t1 - t0, row = Hkv * D;
+    const int64_t S = t1 - t0, hs = head_stride<T>(D), row = Hkv * hs;
 #if defined(__AVX2__) && defined(__FMA__)
     constexpr bool fast = D_ > 0 && D_ % 64 == 0;
 #else
@@ -151,14 +158,14 @@ void attend_part(const float* qf, const T* k, const T* v, const int64_t* table, 
 #if defined(__AVX2__) && defined(__FMA__)
         for (int64_t h = hk * G; h < (hk + 1) * G; h++)
             for_each_run(k, table, t0, t1, bs, row, [&](int64_t i, const T* rows, int64_t n) {
-                dots<T, (D_ > 0 ? D_ : 64)>(qf + h * D, rows + hk * D, row, n, s + h * S + i);
+                dots<T, (D_ > 0 ? D_ : 64)>(qf + h * D, rows + hk * hs, row, n, s + h * S + i);
             });
 #endif
     } else {
         for_each_row(k, table, t0, t1, bs, row, [&](int64_t i, const T* kp) {  // scores
             for (int64_t h = hk * G; h < (hk + 1) * G; h++) {
                 const float* qh = qf + h * D;
-                const T* kh = kp + hk * D;
+                const T* kh = kp + hk * hs;
                 float a = 0.f;
                 for (int64_t d = 0; d < D; d++) a += qh[d] * load(kh, d);
                 s[h * S + i] = a;
@@ -182,14 +189,14 @@ void attend_part(const float* qf, const T* k, const T* v, const int64_t* table, 
         for (int64_t h = hk * G; h < (hk + 1) * G; h++)
             for (int64_t d0 = 0; d0 < D; d0 += 64)
                 for_each_run(v, table, t0, t1, bs, row, [&](int64_t i, const T* rows, int64_t n) {
-                    weighted64(s + h * S + i, rows + hk * D + d0, row, n, acc + h * D + d0);
+                    weighted64(s + h * S + i, rows + hk * hs, d0, row, n, acc + h * D + d0);
                 });
 #endif
     } else {
         for_each_row(v, table, t0, t1, bs, row, [&](int64_t i, const T* vp) {  // weighted values
             for (int64_t h = hk * G; h < (hk + 1) * G; h++) {
                 const float p = s[h * S + i];
-                const T* vh = vp + hk * D;
+                const T* vh = vp + hk * hs;
                 float* ah = acc + h * D;
                 for (int64_t d = 0; d < D; d++) ah[d] += p * load(vh, d);
             }
@@ -314,11 +321,14 @@ int64_t attention_plan(const int64_t* ctx, int64_t B, int64_t window, int64_t* o
     return paged_attention_plan(ctx, B, window, offset);
 }
 
-void attention_team_f32(const float* q, const int64_t* rows, const void* k, const void* v, bool bf16_kv,
+void attention_team_f32(const float* q, const int64_t* rows, const void* k, const void* v, int kv_format,
                               const int64_t* tables, int64_t width, const int64_t* ctx, float* out, int64_t B,
                               int64_t H, int64_t Hkv, int64_t D, int64_t bs, int64_t window, int64_t max_ctx,
                               float scale, float softcap, const int64_t* offset, float* units, float* s) {
-    if (bf16_kv)
+    if (kv_format == KV_Q8_0)
+        paged_decode_team(q, rows, static_cast<const Q8*>(k), static_cast<const Q8*>(v), tables, width, ctx, out, B,
+                          H, Hkv, D, bs, window, max_ctx, scale, softcap, offset, units, s);
+    else if (kv_format == KV_BF16)
         paged_decode_team(q, rows, static_cast<const BF16*>(k), static_cast<const BF16*>(v), tables, width, ctx, out, B,
                           H, Hkv, D, bs, window, max_ctx, scale, softcap, offset, units, s);
     else
@@ -339,3 +349,10 @@ void attention_team_f32(const float* q, const int64_t* rows, const void* k, cons
 ENTRY(paged_decode_f32, float, float)
 ENTRY(paged_decode_bf16, BF16, BF16)
 ENTRY(paged_decode_f32_bf16kv, float, BF16)  // fp32 activations over a bf16 cache (the quantised path)
+ENTRY(paged_decode_f32_q8kv, float, Q8)      // fp32 activations over a q8_0 cache
+
+// rows [n, D] fp32 -> their q8_0 blocks [n, D / 32 * 34] (attention/kv_cache.py's format).
+extern "C" void kv_quantize_q8(const float* x, int64_t n, int64_t D, uint8_t* out) {
+    for (int64_t r = 0; r < n; r++)
+        q8_quantize_row(x + r * D, D, reinterpret_cast<Q8*>(out) + r * head_stride<Q8>(D));
+}

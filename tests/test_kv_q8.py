@@ -1,0 +1,98 @@
+"""The q8_0 KV cache (kv_cache_dtype="q8_0", attention/kv_cache.py): GGML's q8_0 blocks per token
+and head, the C++ quantiser and the PyTorch one byte for byte, the engine against the uncached
+loop rounding k and v the same way (both attention backends), each row's bits the same alone,
+batched and chunked, the decoder stack's bits the modules' (tests/test_decoder_stack.py), and
+the pool's bytes."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from nanoinfer import LLM, SamplingParams
+from nanoinfer.attention import kv_cache
+from nanoinfer.errors import InvalidRequestError
+from nanoinfer.kernels import cpu_kernels
+from nanoinfer.reference import generate_uncached
+
+from gguf_export import write_gguf_from_hf
+
+
+@pytest.fixture(scope="module")
+def qwen3_gguf(make_hf_model, tiny_tokenizer_dir, tmp_path_factory):  # head_dim 32: one q8_0 block per head
+    return write_gguf_from_hf(make_hf_model("qwen3")[0], tiny_tokenizer_dir,
+                              tmp_path_factory.mktemp("q8kv") / "qwen3.gguf", "Q8_0")
+
+
+def test_blocks_are_ggml_q8_0_and_both_quantisers_agree():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(400, 3, 64, generator=g) * torch.rand(400, 3, 1, generator=g) * 10
+    x[0, 0, :32] = 0  # a zero block: d = 0, q = 0
+    x[1, 1, 5] = 1e-30  # a subnormal scale
+    x[2, 2, :] = 1e-6
+    x[3, 0, 7] = 60000.0
+    x[4, 1, :32] = torch.linspace(-3.5, 3.5, 32) * (1 / 127) * 3.5  # values at half steps: ties to even
+    stored = kv_cache.quantize_q8(x)
+    assert stored.shape == (400, 3, 68) and stored.dtype == torch.uint8
+    if cpu_kernels.library() is not None:
+        assert torch.equal(cpu_kernels.kv_quantize_q8(x), stored)
+    back = kv_cache.read(stored, torch.float32)
+    ggml = gguf.quants.dequantize(stored.reshape(-1, 34).numpy(), gguf.GGMLQuantizationType.Q8_0)
+    assert np.array_equal(back.numpy().reshape(-1), ggml.reshape(-1))  # GGML's layout and values
+    d = x.reshape(400, 3, 2, 32).abs().amax(-1, keepdim=True) / 127
+    err = (back - x).reshape(400, 3, 2, 32).abs()
+    # half a step, plus |q| <= 127 times the scale's fp16 rounding (relative 2^-11, or 2^-25 where subnormal)
+    assert (err <= d * 0.5 * (1 + 2 ** -10) + 127 * (d * 2 ** -11 + 2 ** -25)).all()
+    assert torch.equal(back[0, 0, :32], torch.zeros(32))
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_engine_matches_the_uncached_loop_with_the_same_rounding(qwen3_gguf, backend):
+    if backend == "cpu" and cpu_kernels.library() is None:
+        pytest.skip("no compiled kernels")
+    llm = LLM(qwen3_gguf, dtype="auto", kv_cache_dtype="q8_0", attention_backend=backend)
+    assert llm.engine.cache.k.dtype == kv_cache.Q8_0
+    p = prompt(13, 1)
+    ref_tokens, ref_logits = generate_uncached(llm.loaded.model, p, 20, kv_dtype=kv_cache.Q8_0)
+    out = llm.generate({"prompt_token_ids": p},
+                       SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=1))[0].outputs[0]
+    assert out.token_ids == ref_tokens
+    # (attention's float order differs from the loop's SDPA: see test_quant_path's note)
+    diffs = sorted(abs(lp[tok].logprob - float(torch.log_softmax(logits, -1)[tok]))
+                   for lp, logits, tok in zip(out.logprobs, ref_logits, out.token_ids))
+    assert diffs[0] < 1e-6 and diffs[len(diffs) // 3] < 1e-5 and diffs[-1] < 0.1
+    # the rounding is real: an fp32 cache gives other logprobs
+    f32 = LLM(qwen3_gguf, dtype="auto", kv_cache_dtype="float32", attention_backend=backend)
+    other = f32.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                                 logprobs=1))[0].outputs[0]
+    assert [d[t].logprob for d, t in zip(other.logprobs, other.token_ids)] != \
+        [d[t].logprob for d, t in zip(out.logprobs, out.token_ids)]
+
+
+def test_rows_are_the_same_alone_batched_and_chunked(qwen3_gguf):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    prompts = [{"prompt_token_ids": prompt(n, s)} for s, n in enumerate((5, 40, 17, 29))]
+
+    def bits(outs):
+        return [(o.outputs[0].token_ids, [{k: v.logprob for k, v in d.items()} for d in o.outputs[0].logprobs])
+                for o in outs]
+
+    alone = bits([LLM(qwen3_gguf, dtype="auto", kv_cache_dtype="q8_0").generate(p, params)[0] for p in prompts[:2]])
+    together = bits(LLM(qwen3_gguf, dtype="auto", kv_cache_dtype="q8_0", max_num_batched_tokens=16)
+                    .generate(prompts, params))
+    assert together[:2] == alone
+
+
+def test_pool_bytes_and_head_sizes(qwen3_gguf, llama_dir):
+    q8 = LLM(qwen3_gguf, dtype="auto", kv_cache_dtype="q8_0", kv_cache_memory=8 << 20)
+    bf16 = LLM(qwen3_gguf, dtype="auto", kv_cache_dtype="bfloat16", kv_cache_memory=8 << 20)
+    per_token = [e.engine.cache.k[0, 0, 0].nbytes for e in (q8, bf16)]
+    assert per_token[0] / per_token[1] == 34 / 64  # 0.53x
+    assert q8.engine.scheduler.config.num_blocks >= 1.8 * bf16.engine.scheduler.config.num_blocks
+    with pytest.raises(InvalidRequestError, match="multiple of 32"):  # the tiny llama's heads are 16 wide
+        LLM(llama_dir, kv_cache_dtype="q8_0")
