@@ -67,10 +67,18 @@ inline __m256 load8(const float* r, int64_t i) { return _mm256_loadu_ps(r + i); 
 inline __m256 load8(const BF16* r, int64_t i) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + i))), 16));
 }
-inline __m256 load8(const Q8* r, int64_t i) {  // q * d, exactly (int8 times fp16)
-    const int64_t b = i / kQ8Block;
-    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + b * kQ8Bytes + 2 + i % kQ8Block));
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_set1_ps(q8_scale(r, b)));
+// q8_0 rows: 8 int8 values of a block as floats, and a block's scale.
+inline __m256 int8x8(const Q8* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline float scale_of(const Q8* r, int64_t block) {
+#if defined(__F16C__)
+    uint16_t h;
+    std::memcpy(&h, r + block * kQ8Bytes, 2);
+    return _cvtsh_ss(h);  // (exact, as half_to_float)
+#else
+    return q8_scale(r, block);
+#endif
 }
 
 // The 8 lane sums of a[0..7], as one vector (lane j: the sum of a[j]'s lanes).
@@ -87,7 +95,7 @@ inline float hsum(__m256 v) {
 }
 
 // out[i] = q . row i, for n rows `stride` values apart: eight rows at a time, reduced together.
-template <typename T, int D>
+template <int D, typename T>
 inline void dots(const float* qh, const T* rows, int64_t stride, int64_t n, float* out) {
     __m256 q[D / 8];
     for (int c = 0; c < D / 8; c++) q[c] = _mm256_loadu_ps(qh + 8 * c);
@@ -110,6 +118,33 @@ inline void dots(const float* qh, const T* rows, int64_t stride, int64_t n, floa
     }
 }
 
+// q8_0 rows: per block, the 32 products summed (4 lanes of fused multiply-adds), then times the
+// block's scale into the row's sum; the same order for every row and path.
+template <int D>
+inline __m256 dot_q8(const __m256* q, const Q8* r) {
+    __m256 x = _mm256_setzero_ps();
+    for (int b = 0; b < D / kQ8Block; b++) {
+        const Q8* qb = r + b * kQ8Bytes + 2;
+        __m256 xb = _mm256_mul_ps(q[4 * b], int8x8(qb));
+        for (int c = 1; c < 4; c++) xb = _mm256_fmadd_ps(q[4 * b + c], int8x8(qb + 8 * c), xb);
+        x = _mm256_fmadd_ps(xb, _mm256_set1_ps(scale_of(r, b)), x);
+    }
+    return x;
+}
+
+template <int D>
+inline void dots(const float* qh, const Q8* rows, int64_t stride, int64_t n, float* out) {
+    __m256 q[D / 8];
+    for (int c = 0; c < D / 8; c++) q[c] = _mm256_loadu_ps(qh + 8 * c);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 a[8];
+        for (int j = 0; j < 8; j++) a[j] = dot_q8<D>(q, rows + (i + j) * stride);
+        _mm256_storeu_ps(out + i, hsum8x8(a));
+    }
+    for (; i < n; i++) out[i] = hsum(dot_q8<D>(q, rows + i * stride));
+}
+
 // acc[0..63] += sum_i p[i] * (values d0 .. d0 + 63 of row i), in registers.
 template <typename T>
 inline void weighted64(const float* p, const T* rows, int64_t d0, int64_t stride, int64_t n, float* acc) {
@@ -119,6 +154,22 @@ inline void weighted64(const float* p, const T* rows, int64_t d0, int64_t stride
         const __m256 w = _mm256_set1_ps(p[i]);
         const T* r = rows + i * stride;
         for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(w, load8(r, d0 + 8 * c), a[c]);
+    }
+    for (int c = 0; c < 8; c++) _mm256_storeu_ps(acc + 8 * c, a[c]);
+}
+
+// q8_0 rows: each block's values times p[i] * d, the weight and scale in one factor.
+inline void weighted64(const float* p, const Q8* rows, int64_t d0, int64_t stride, int64_t n, float* acc) {
+    __m256 a[8];
+    for (int c = 0; c < 8; c++) a[c] = _mm256_loadu_ps(acc + 8 * c);
+    const int64_t b0 = d0 / kQ8Block;
+    for (int64_t i = 0; i < n; i++) {
+        const Q8* r = rows + i * stride;
+        for (int b = 0; b < 2; b++) {
+            const __m256 w = _mm256_set1_ps(p[i] * scale_of(r, b0 + b));
+            const Q8* qb = r + (b0 + b) * kQ8Bytes + 2;
+            for (int c = 0; c < 4; c++) a[4 * b + c] = _mm256_fmadd_ps(w, int8x8(qb + 8 * c), a[4 * b + c]);
+        }
     }
     for (int c = 0; c < 8; c++) _mm256_storeu_ps(acc + 8 * c, a[c]);
 }
@@ -158,7 +209,7 @@ void attend_part(const float* qf, const T* k, const T* v, const int64_t* table, 
 #if defined(__AVX2__) && defined(__FMA__)
         for (int64_t h = hk * G; h < (hk + 1) * G; h++)
             for_each_run(k, table, t0, t1, bs, row, [&](int64_t i, const T* rows, int64_t n) {
-                dots<T, (D_ > 0 ? D_ : 64)>(qf + h * D, rows + hk * hs, row, n, s + h * S + i);
+                dots<(D_ > 0 ? D_ : 64)>(qf + h * D, rows + hk * hs, row, n, s + h * S + i);
             });
 #endif
     } else {
