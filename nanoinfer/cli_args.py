@@ -133,6 +133,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, max_num_seqs: int | str = 64,
                        help="the KV cache's dtype: auto (bfloat16 for GGUF weights run in their blocks on the CPU, "
                             "else the model's dtype) | float32 | bfloat16 | q8_0 (8-bit blocks: 0.53x bf16's bytes)")
         g.add_argument("--no-prefix-caching", action="store_true", help="turn off prefix caching")
+        g.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
+                       help="also keep full KV blocks in DIR, read back after a restart (shared by replicas; "
+                            "a folder per model and configuration inside; default: memory only)")
+        g.add_argument("--prefix-cache-dir-size", type=byte_size, default=4 << 30, metavar="BYTES",
+                       help="the most --prefix-cache-dir holds for one model, least recently used blocks "
+                            "deleted past it (default 4G)")
     g.add_argument("--scheduling-policy", default="fcfs",
                    help="fcfs (default), priority (requests with a lower `priority` value are admitted first and "
                         "preempted last), or another name in engine/policy.py's POLICIES")
@@ -148,7 +154,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                 kv_cache_memory=a.kv_cache_memory, kv_cache_dtype=a.kv_cache_dtype,
                 attention_backend=a.attention_backend,
-                enable_prefix_caching=not a.no_prefix_caching,
+                enable_prefix_caching=not a.no_prefix_caching, prefix_cache_dir=a.prefix_cache_dir,
+                prefix_cache_dir_bytes=a.prefix_cache_dir_size,
                 tensor_parallel_size=getattr(a, "tensor_parallel_size", 1),
                 constraint_limits=a.structured_outputs_config, scheduling_policy=a.scheduling_policy,
                 step_time_target_ms=a.step_time_target_ms)

@@ -34,6 +34,7 @@ from ..tools.tool_use import ToolUseState, bind_tools
 from .draft import DraftModelProposer
 from .memory import MemoryBudget, plan_kv_pool
 from .outputs import ForwardStat, RequestOutput, StreamDelta, spec_figures
+from .prefix_store import DiskPrefixCache, file_identity, store_key
 from .runner import ModelRunner
 from .scheduler import Scheduler, SchedulerConfig
 from .sequence import Sequence
@@ -48,6 +49,10 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
+    # engine/prefix_store.py: full KV blocks also kept in this folder (shared by restarts and
+    # replicas), at most prefix_cache_dir_bytes of them; None: memory only
+    prefix_cache_dir: str | None = None
+    prefix_cache_dir_bytes: int = 4 << 30
     enable_tools: bool = True  # run tools (the calculator) when the vocabulary has their marker tokens
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES: "auto" is kv_cache_dtype()'s rule
     attention_backend: str = "auto"  # a registered name (attention/), or the first that runs on the device and KV dtype
@@ -117,9 +122,10 @@ class LLMEngine:
             raise InvalidRequestError(f"step_time_target_ms must be > 0, got {config.step_time_target_ms}",
                                       "step_time_target_ms")
         step_target = config.step_time_target_ms / 1e3 if config.step_time_target_ms else None
+        self.disk_cache = self._disk_cache(loaded, config, mc) if config.prefix_cache_dir else None
         self.scheduler = Scheduler(SchedulerConfig(num_blocks, config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.block_size, config.enable_prefix_caching,
-                                                   config.scheduling_policy, step_target))
+                                                   config.scheduling_policy, step_target), tier=self.disk_cache)
         self.executor = None
         if tp > 1:
             self.executor = TensorParallelExecutor(tp, str(self.device))
@@ -500,12 +506,42 @@ class LLMEngine:
                 if d.request_id == request_id:
                     yield d
 
+    def _disk_cache(self, loaded: LoadedModel, config: EngineConfig, mc) -> DiskPrefixCache | None:
+        """The persistent prefix cache's folder for this model and configuration (prefix_store.py)."""
+        if not config.enable_prefix_caching:
+            raise InvalidRequestError("prefix_cache_dir needs prefix caching on", "prefix_cache_dir")
+        if config.tensor_parallel_size > 1:
+            logger.warning("prefix_cache_dir: not with tensor parallelism (each rank holds part of a block); "
+                           "the prefix cache stays in memory")
+            return None
+        k, v = self.cache.k, self.cache.v
+        block_bytes = (k[:, 0].numel() * k.element_size()) * 2
+
+        def read_block(bid: int) -> bytes:
+            return torch.cat([k[:, bid].reshape(-1).view(torch.uint8), v[:, bid].reshape(-1).view(torch.uint8)]
+                             ).cpu().numpy().tobytes()
+
+        def write_block(bid: int, payload: bytes) -> None:
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            half = len(payload) // 2
+            k[:, bid].copy_(data[:half].view(k.dtype).view(k[:, bid].shape))
+            v[:, bid].copy_(data[half:].view(v.dtype).view(v[:, bid].shape))
+
+        key = store_key(model=file_identity(loaded.path), dtype=str(loaded.source.get("dtype")), kv=str(self.kv_dtype),
+                        max_model_len=self.max_model_len, block_size=config.block_size, tp=(0, 1),
+                        architecture=mc.architecture)
+        return DiskPrefixCache(config.prefix_cache_dir, config.prefix_cache_dir_bytes, key, block_bytes,
+                               read_block, write_block)
+
     # --- metrics ----------------------------------------------------------------
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (the engine cannot step afterwards)."""
+        """Stop the tensor-parallel workers, if any, and finish writing the persistent prefix
+        cache (the engine cannot step afterwards)."""
         if self.executor is not None:
             self.executor.close()
             self.executor = None
+        if self.disk_cache is not None:
+            self.disk_cache.close()
 
     def metrics(self) -> dict:
         s, b = self.scheduler, self.blocks
@@ -520,6 +556,7 @@ class LLMEngine:
             "prefix_cache_queries": b.stats.prefix_queries,
             "prefix_cache_hits": b.stats.prefix_hits,
             "prefix_cache_hit_rate": b.stats.hit_rate,
+            "prefix_cache_disk_hits": b.stats.tier_hits,  # of the hits, tokens read back from --prefix-cache-dir
             "steps": self.total_steps,
             "prefill_tokens": self.prefill_tokens,
             "tokens_per_step": self.total_step_tokens / self.total_steps if self.total_steps else 0.0,

@@ -23,6 +23,16 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
+
+
+class BlockTier(Protocol):
+    """A second place full blocks are kept, past the pool (prefix_store.DiskPrefixCache): the KV
+    manager names blocks, the tier moves their bytes."""
+
+    def has(self, h: bytes) -> bool: ...
+    def offer(self, h: bytes, block_id: int) -> None: ...
+    def load(self, h: bytes, block_id: int) -> bool: ...
 
 
 @dataclass(slots=True)
@@ -42,6 +52,7 @@ def block_hash(parent: bytes | None, tokens: list[int]) -> bytes:
 class CacheStats:
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # of which found
+    tier_hits: int = 0  # of which found in the second tier (disk) and read back
 
     @property
     def hit_rate(self) -> float:
@@ -49,7 +60,8 @@ class CacheStats:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 tier: BlockTier | None = None):
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict()  # freed blocks, least recently freed first
@@ -58,6 +70,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.stats = CacheStats()
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies the runner must do
+        self.tier = tier if enable_prefix_caching else None
 
     @property
     def num_free(self) -> int:
@@ -120,9 +133,31 @@ class BlockManager:
         for bid in hits:
             self._ref(bid)
         table.extend(hits)
+        if lookup and self.tier is not None:
+            self._read_tier(table, tokens)
         self.stats.prefix_queries += len(tokens)
-        self.stats.prefix_hits += len(hits) * self.block_size
-        return len(hits) * self.block_size
+        self.stats.prefix_hits += len(table) * self.block_size
+        return len(table) * self.block_size
+
+    def _read_tier(self, table: list[int], tokens: list[int]) -> None:
+        """The cached prefix continued from the second tier: each next full block found there
+        read into a free block, which is then named and cached as if computed here."""
+        bs = self.block_size
+        parent = None
+        for i in range(len(table)):
+            parent = block_hash(parent, tokens[i * bs:(i + 1) * bs])
+        for i in range(len(table), (len(tokens) - 1) // bs):
+            parent = block_hash(parent, tokens[i * bs:(i + 1) * bs])
+            if not self.num_free or not self.tier.has(parent):
+                return
+            bid = self._take()
+            if not self.tier.load(parent, bid):
+                self._unref(bid)
+                return
+            self.blocks[bid].hash = parent
+            self.cached[parent] = bid
+            table.append(bid)
+            self.stats.tier_hits += bs
 
     def allocate_slots(self, table: list[int], num_computed: int, num_tokens: int) -> list[int] | None:
         """The scheduler's door for a step (vLLM v1's name): room in `table` for num_tokens more
@@ -176,6 +211,8 @@ class BlockManager:
             if b.hash is None:
                 b.hash = h
                 self.cached.setdefault(h, b.id)
+                if self.tier is not None:
+                    self.tier.offer(h, b.id)
 
     def fork(self, table: list[int]) -> list[int]:
         """A new block table sharing every block of `table`."""

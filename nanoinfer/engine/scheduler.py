@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from .batch import ScheduledBatch
-from .kv_manager import BlockManager
+from .kv_manager import BlockManager, BlockTier
 from .pacing import StepPacer
 from .policy import SchedulingPolicy, policy_named
 from .sequence import Sequence
@@ -42,10 +42,11 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, policy: SchedulingPolicy | None = None):
+    def __init__(self, config: SchedulerConfig, policy: SchedulingPolicy | None = None, tier: BlockTier | None = None):
+        """tier: where full blocks are also kept, past the pool (the persistent prefix cache)."""
         self.config = config
         self.policy = policy or policy_named(config.policy)
-        self.blocks = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.blocks = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching, tier)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
