@@ -130,3 +130,4 @@ class StreamDelta:
     token_masks: list[int] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # on sample 0's first delta, if asked for
     violations: list[str] | None = None  # on the last delta: what the output breaks of a relaxed schema
+    stop_reason: int | str | None = None  # on the last delta: the stop token id or stop string that ended it

@@ -197,7 +197,8 @@ class Sequence:
                            self.finish_cause.finish_reason if self.finished else None,
                            [logprobs] if logprobs is not None else None,
                            self.output_mask[len(self.output_mask) - len(token_ids):], prompt_logprobs,
-                           self.violations() if self.finished else None)
+                           self.violations() if self.finished else None,
+                           self.stop_reason if self.finished else None)
 
     def violations(self) -> list[str] | None:
         if self.grammar is None or self.finish_cause in (FinishCause.ABORT, None):

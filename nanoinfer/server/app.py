@@ -35,7 +35,7 @@ from ..engine.async_engine import AsyncEngine
 from .access import AccessMiddleware
 from .metrics import ServerMetrics
 from .protocol import APIError
-from .routes import ROUTES, Route
+from .routes import ROUTES, Route, served_families
 from .serving import ServerConfig, Serving, as_api_error
 from .state import ServerState
 
@@ -76,7 +76,10 @@ def create_app(engine: LLMEngine, config: ServerConfig, routes: Sequence[Route] 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(APIError(str(e.detail), status=e.status_code, type=kind).body(),
+        message = str(e.detail)
+        if e.status_code == 404 and message == "Not Found":  # no route: say which APIs are here
+            message = (f"no route {request.method} {request.url.path}; this server serves {served_families(routes)}")
+        return JSONResponse(APIError(message, status=e.status_code, type=kind).body(),
                             status_code=e.status_code, headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)

@@ -232,7 +232,9 @@ class Serving:
         return finals  # type: ignore[return-value]
 
     # --- /v1/completions --------------------------------------------------------------
-    async def completions(self, req: CompletionRequest, request):
+    async def completions(self, req: CompletionRequest, request, until_full: bool = False):
+        """until_full: without max_tokens, generate until the window is full (llama.cpp's n_predict -1)
+        rather than OpenAI's 16."""
         self.check_model(req.model)
         check_fields(req, "/v1/completions")
         keep = prompt_keep(req.truncate_prompt_tokens, self.max_model_len, req.max_tokens)
@@ -250,7 +252,8 @@ class Serving:
         # echo with logprobs scores the prompt's tokens too; max_tokens 0 scores only them
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else 0 if req.max_tokens == 0 else None
         # OpenAI's default of 16, within what the window leaves
-        default = min(COMPLETIONS_DEFAULT_MAX_TOKENS, self.max_model_len - max(len(p.ids) for p in prompts))
+        room = self.max_model_len - max(len(p.ids) for p in prompts)
+        default = room if until_full else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room)
         spec, headers = await self.constraint(req)
         if cut:
             headers[TRUNCATED_TOKENS_HEADER] = str(cut)
@@ -279,7 +282,7 @@ class Serving:
                 if req.echo:
                     text = prompts[i].text + text
                 choice = {"index": i * params.n + c.index, "text": text, "logprobs": lp,
-                          "finish_reason": c.finish_reason}
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 if req.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = vllm_prompt_logprobs(self.tt, out.prompt_token_ids, out.prompt_logprobs)
                 if c.violations:
@@ -335,8 +338,10 @@ class Serving:
         started: set[int] = set()
         finals: list[RequestOutput | None] = [None] * len(prompts)
 
-        def chunk(index: int, text: str, lp, finish_reason, prompt_lp=None, violations=None) -> str:
+        def chunk(index: int, text: str, lp, finish_reason, prompt_lp=None, violations=None, stop_reason=None) -> str:
             choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+            if finish_reason is not None:
+                choice["stop_reason"] = stop_reason
             if prompt_lp is not None:
                 choice["prompt_logprobs"] = prompt_lp
             if violations:
@@ -370,7 +375,7 @@ class Serving:
                         lp = CompletionLogprobs.join([echo_lp, lp] if lp else [echo_lp])
                     if text or lp or item.finished or prompt_lp is not None:
                         yield chunk(index, text, lp, item.finish_reason if item.finished else None, prompt_lp,
-                                    item.violations)
+                                    item.violations, item.stop_reason)
             if include_usage:
                 yield sse({**base, "choices": [], "usage": self._usage(finals)})
         except Exception as e:  # whatever went wrong, the stream ends with an error event and [DONE]
