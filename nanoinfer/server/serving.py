@@ -415,17 +415,7 @@ class Serving:
                                       logprobs_param="top_logprobs", structured_outputs=spec)
 
         async def encode(msgs: list[dict]) -> list[int]:
-            rendered, template_tools = self.template_input(msgs, tools)
-            try:
-                return await self.encode(self.tokenizer.encode_chat, rendered, tools=template_tools,
-                                         parse_special=req.parse_special,
-                                         add_generation_prompt=req.add_generation_prompt,
-                                         continue_final_message=req.continue_final_message,
-                                         **(req.chat_template_kwargs or {}))
-            except InvalidRequestError as e:
-                raise APIError(str(e), e.param or "messages", code=e.code or "invalid_value") from None
-            except TypeError as e:  # chat_template_kwargs tried to set messages/tools/add_generation_prompt
-                raise APIError(f"chat_template_kwargs: {e}", "chat_template_kwargs", code="invalid_value") from None
+            return await self.chat_ids(req, msgs, tools)
 
         if req.truncation == "auto":
             ids, dropped = await fit_chat(messages, encode, self.max_model_len, max_tokens, mt_param)
@@ -458,7 +448,8 @@ class Serving:
             lp = None
             if params.logprobs is not None:
                 lp = {"content": chat_logprobs(self.tt, c.token_ids, c.token_masks, c.logprobs, params.logprobs)}
-            choice = {"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish_reason}
+            choice = {"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish_reason,
+                      "stop_reason": c.stop_reason}
             if c.violations:
                 choice["structured_output_violations"] = c.violations
             choices.append(choice)
@@ -469,6 +460,20 @@ class Serving:
         if req.prompt_logprobs is not None:  # vLLM's place for it
             body["prompt_logprobs"] = vllm_prompt_logprobs(self.tt, out.prompt_token_ids, out.prompt_logprobs)
         return Reply(body, headers)
+
+    async def chat_ids(self, req: ChatCompletionRequest, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        """The prompt ids of a chat request's messages (its template options, parse_special, ...)."""
+        rendered, template_tools = self.template_input(messages, tools)
+        try:
+            return await self.encode(self.tokenizer.encode_chat, rendered, tools=template_tools,
+                                     parse_special=req.parse_special,
+                                     add_generation_prompt=req.add_generation_prompt,
+                                     continue_final_message=req.continue_final_message,
+                                     **(req.chat_template_kwargs or {}))
+        except InvalidRequestError as e:
+            raise APIError(str(e), e.param or "messages", code=e.code or "invalid_value") from None
+        except TypeError as e:  # chat_template_kwargs tried to set messages/tools/add_generation_prompt
+            raise APIError(f"chat_template_kwargs: {e}", "chat_template_kwargs", code="invalid_value") from None
 
     async def stream_chat(self, req: ChatCompletionRequest, prompts: list[Prompt], params: SamplingParams,
                           rid: str, created: int, parse_tools: bool) -> AsyncIterator[str]:
@@ -481,12 +486,14 @@ class Serving:
         finished: set[int] = set()
         out: RequestOutput | None = None
 
-        def chunk(index: int, delta: dict, finish_reason: str | None = None, violations=None) -> str:
+        def chunk(index: int, delta: dict, finish_reason: str | None = None, violations=None, stop_reason=None) -> str:
             lp = None
             if want_lp and pending_lp[index]:
                 lp = {"content": pending_lp[index]}
                 pending_lp[index] = []
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
+            if finish_reason is not None:
+                choice["stop_reason"] = stop_reason
             if violations:
                 choice["structured_output_violations"] = violations
             body = {**base, "choices": [choice]}
@@ -505,12 +512,12 @@ class Serving:
                     chunks.append(chunk(index, {"tool_calls": [call]}))
             return chunks
 
-        def finish(index: int, reason: str | None, violations: list[str] | None) -> list[str]:
+        def finish(index: int, reason: str | None, violations: list[str] | None, stop_reason=None) -> list[str]:
             finished.add(index)
             chunks = events_to_chunks(index, parsers[index].finish()) if parse_tools else []
             if num_calls[index] and reason in ("stop", "length"):
                 reason = "tool_calls"
-            return chunks + [chunk(index, {}, reason, violations)]
+            return chunks + [chunk(index, {}, reason, violations, stop_reason)]
 
         try:
             for i in range(params.n):
@@ -521,7 +528,7 @@ class Serving:
                         out = item
                         for c in item.outputs:  # a sample that ended without a final delta
                             if c.index not in finished:
-                                for s in finish(c.index, c.finish_reason, c.violations):
+                                for s in finish(c.index, c.finish_reason, c.violations, c.stop_reason):
                                     yield s
                         continue
                     index = item.index
@@ -535,7 +542,7 @@ class Serving:
                     for s in chunks:
                         yield s
                     if item.finished:
-                        for s in finish(index, item.finish_reason, item.violations):
+                        for s in finish(index, item.finish_reason, item.violations, item.stop_reason):
                             yield s
             if include_usage and out is not None:
                 yield sse({**base, "choices": [], "usage": self._usage([out])})
