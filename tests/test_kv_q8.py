@@ -25,6 +25,29 @@ def qwen3_gguf(make_hf_model, tiny_tokenizer_dir, tmp_path_factory):  # head_dim
                               tmp_path_factory.mktemp("q8kv") / "qwen3.gguf", "Q8_0")
 
 
+@pytest.fixture(scope="module")
+def wide_gguf(tiny_tokenizer_dir, tmp_path_factory):
+    """head_dim 64: k and v rotated before they are quantised (a Llama with q/k/v bias: Qwen2's outliers)."""
+    import transformers as tf
+
+    tok = tf.AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    cfg = tf.Qwen2Config(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                         rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, rope_theta=1000000.0)
+    torch.manual_seed(0)
+    model = tf.Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("k_proj.bias"):
+                p.copy_(torch.randn_like(p) * (torch.arange(p.numel()) % 64 == 3) * 20)  # an outlier channel
+    return write_gguf_from_hf(model, tiny_tokenizer_dir, tmp_path_factory.mktemp("q8kv") / "wide.gguf", "Q8_0")
+
+
+@pytest.fixture(params=["qwen3", "wide"])
+def model_file(request, qwen3_gguf, wide_gguf):
+    return qwen3_gguf if request.param == "qwen3" else wide_gguf
+
+
 def test_blocks_are_ggml_q8_0_and_both_quantisers_agree():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(400, 3, 64, generator=g) * torch.rand(400, 3, 1, generator=g) * 10
@@ -52,10 +75,10 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
-def test_engine_matches_the_uncached_loop_with_the_same_rounding(qwen3_gguf, backend):
+def test_engine_matches_the_uncached_loop_with_the_same_rounding(model_file, backend):
     if backend == "cpu" and cpu_kernels.library() is None:
         pytest.skip("no compiled kernels")
-    llm = LLM(qwen3_gguf, dtype="auto", kv_cache_dtype="q8_0", attention_backend=backend)
+    llm = LLM(model_file, dtype="auto", kv_cache_dtype="q8_0", attention_backend=backend)
     assert llm.engine.cache.k.dtype == kv_cache.Q8_0
     p = prompt(13, 1)
     ref_tokens, ref_logits = generate_uncached(llm.loaded.model, p, 20, kv_dtype=kv_cache.Q8_0)
@@ -67,14 +90,14 @@ def test_engine_matches_the_uncached_loop_with_the_same_rounding(qwen3_gguf, bac
                    for lp, logits, tok in zip(out.logprobs, ref_logits, out.token_ids))
     assert diffs[0] < 1e-6 and diffs[len(diffs) // 3] < 1e-5 and diffs[-1] < 0.1
     # the rounding is real: an fp32 cache gives other logprobs
-    f32 = LLM(qwen3_gguf, dtype="auto", kv_cache_dtype="float32", attention_backend=backend)
+    f32 = LLM(model_file, dtype="auto", kv_cache_dtype="float32", attention_backend=backend)
     other = f32.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
                                                                  logprobs=1))[0].outputs[0]
     assert [d[t].logprob for d, t in zip(other.logprobs, other.token_ids)] != \
         [d[t].logprob for d, t in zip(out.logprobs, out.token_ids)]
 
 
-def test_rows_are_the_same_alone_batched_and_chunked(qwen3_gguf):
+def test_rows_are_the_same_alone_batched_and_chunked(model_file):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
     prompts = [{"prompt_token_ids": prompt(n, s)} for s, n in enumerate((5, 40, 17, 29))]
 
@@ -82,10 +105,54 @@ def test_rows_are_the_same_alone_batched_and_chunked(qwen3_gguf):
         return [(o.outputs[0].token_ids, [{k: v.logprob for k, v in d.items()} for d in o.outputs[0].logprobs])
                 for o in outs]
 
-    alone = bits([LLM(qwen3_gguf, dtype="auto", kv_cache_dtype="q8_0").generate(p, params)[0] for p in prompts[:2]])
-    together = bits(LLM(qwen3_gguf, dtype="auto", kv_cache_dtype="q8_0", max_num_batched_tokens=16)
+    alone = bits([LLM(model_file, dtype="auto", kv_cache_dtype="q8_0").generate(p, params)[0] for p in prompts[:2]])
+    together = bits(LLM(model_file, dtype="auto", kv_cache_dtype="q8_0", max_num_batched_tokens=16)
                     .generate(prompts, params))
     assert together[:2] == alone
+
+
+def test_the_stack_gives_the_modules_bits_with_rotation(wide_gguf):
+    """head_dim 64: the decoder stack rotates q, k, v and the output inline; the modules call the same C++."""
+    if cpu_kernels.library() is None:
+        pytest.skip("no compiled kernels")
+    llm = LLM(wide_gguf, dtype="auto", kv_cache_dtype="q8_0", max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    prompts = [{"prompt_token_ids": prompt(n, s)} for s, n in enumerate((5, 40, 17))]
+
+    def run(stack: bool):
+        llm.loaded.model.use_decoder_stack = stack
+        return [(o.outputs[0].token_ids, [{k: v.logprob for k, v in d.items()} for d in o.outputs[0].logprobs])
+                for o in llm.generate(prompts, params)]
+
+    with_stack = run(True)
+    assert llm.loaded.model.__dict__["_decoder_stack"][1] is not None
+    assert run(False) == with_stack
+
+
+def test_rotation_spreads_an_outlier():
+    """With an outlier channel, the rotated blocks reconstruct the other values far better; the
+    rotation is orthonormal (q . k unchanged) and its own inverse; PyTorch's steps give the C++ bits."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(200, 2, 128, generator=g)
+    x[..., 7] *= 60
+    rk, rv = kv_cache.rotations(kv_cache.Q8_0, 128)
+    assert (rk, rv) == (128, 64) and kv_cache.rotations(kv_cache.Q8_0, 96) == (0, 0)
+    assert kv_cache.rotations(torch.bfloat16, 128) == (0, 0)
+    back = kv_cache.rotate(kv_cache.read(kv_cache.store(x, kv_cache.Q8_0, rk), torch.float32), rk)
+    plain = kv_cache.read(kv_cache.store(x, kv_cache.Q8_0, 0), torch.float32)
+    small = torch.ones(128, dtype=torch.bool)
+    small[7] = False
+    assert (back - x)[..., small].pow(2).mean() < 0.1 * (plain - x)[..., small].pow(2).mean()
+    q = torch.randn(200, 2, 128, generator=g)
+    torch.testing.assert_close((kv_cache.rotate(q, rk) * kv_cache.rotate(x, rk)).sum(-1), (q * x).sum(-1),
+                               rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(kv_cache.rotate(kv_cache.rotate(x, 64), 64), x, rtol=0, atol=1e-4)
+    if cpu_kernels.library() is not None:
+        from unittest import mock
+        with mock.patch.object(cpu_kernels, "library", lambda: None):
+            torch_steps = kv_cache.rotate(x, 128), kv_cache.store(x, kv_cache.Q8_0, 128)
+        assert torch.equal(torch_steps[0], cpu_kernels.kv_rotate(x, 128))
+        assert torch.equal(torch_steps[1], cpu_kernels.kv_quantize_q8(x, 128))
 
 
 def test_pool_bytes_and_head_sizes(qwen3_gguf, llama_dir):

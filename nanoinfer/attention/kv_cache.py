@@ -10,6 +10,12 @@ Formats (the cache tensor's dtype names them):
   so chunking and batching change nothing. d = max|x| * (1/127) in fp32 (stored rounded to
   fp16), q = round-half-even(x * (127 / max|x|)); read back as q * d16, exactly. Every query,
   the writing step's own included, attends over the values as read back.
+  Before quantising, k and v are rotated by an orthonormal Walsh-Hadamard transform in blocks
+  (`rotations`; llama.cpp does the same for its quantised caches): an outlier channel (Qwen's
+  k has some) is spread over its block instead of setting a scale that crushes the rest
+  (Qwen2.5-Coder 0.5B, ctx 512: k unrotated cost +1.7% perplexity). The attention then runs
+  in the rotated space: queries rotated like k (q . k unchanged), the output rotated back like
+  v (the transform is its own inverse).
 """
 from __future__ import annotations
 
@@ -43,18 +49,47 @@ def stored_dim(dtype: torch.dtype, head_dim: int) -> int:
     return head_dim
 
 
+def rotations(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
+    """The rotation blocks of k and v in this format (0: none); csrc/common.h's k_rotation, v_rotation."""
+    if not is_q8(dtype) or head_dim % 64:
+        return 0, 0
+    n = 64
+    while head_dim % (2 * n) == 0:
+        n *= 2
+    return n, 64
+
+
+def rotate(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x [..., head_dim] with each block of n values Walsh-Hadamard transformed (orthonormal, its
+    own inverse): the C++ transform on the CPU (the decoder stack's), the same steps in PyTorch elsewhere."""
+    if not n:
+        return x
+    if x.device.type == "cpu" and x.dtype == torch.float32 and cpu_kernels.library() is not None:
+        return cpu_kernels.kv_rotate(x, n)
+    *lead, D = x.shape
+    v = x.float().reshape(-1, D // n, n)
+    h = 1
+    while h < n:
+        v = v.reshape(v.shape[0], D // n, n // (2 * h), 2, h)
+        a, c = v[..., 0, :], v[..., 1, :]
+        v = torch.stack([a + c, a - c], dim=-2).reshape(-1, D // n, n)
+        h *= 2
+    return (v * torch.tensor(1.0 / math.sqrt(n), dtype=torch.float32)).reshape(*lead, D).to(x.dtype)
+
+
 def value_bytes(dtype: torch.dtype) -> float:
     """Bytes per stored value: what the pool's size rule counts."""
     return Q8_BLOCK_BYTES / Q8_BLOCK if is_q8(dtype) else torch.empty(0, dtype=dtype).element_size()
 
 
-def store(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x [..., head_dim] as the cache stores it (q8_0: [..., stored_dim] bytes)."""
+def store(x: torch.Tensor, dtype: torch.dtype, rot: int = 0) -> torch.Tensor:
+    """x [..., head_dim] as the cache stores it (q8_0: [..., stored_dim] bytes), rotated first
+    by blocks of `rot` values (`rotations`)."""
     if not is_q8(dtype):
         return x.to(dtype)
     if x.device.type == "cpu" and cpu_kernels.library() is not None:  # the decoder stack writes with it too
-        return cpu_kernels.kv_quantize_q8(x)
-    return quantize_q8(x)
+        return cpu_kernels.kv_quantize_q8(x, rot)
+    return quantize_q8(rotate(x.float(), rot))
 
 
 def quantize_q8(x: torch.Tensor) -> torch.Tensor:

@@ -95,7 +95,9 @@ class TorchPagedAttention(AttentionBackend):
         nb, bs, H, Ds = kc.shape
         # k and v as stored (a bf16 cache under fp32 activations rounds them, q8_0 quantises
         # them), then read back at the queries' dtype: every query attends over the stored values
-        k, v = kv_cache.store(k, kc.dtype), kv_cache.store(v, vc.dtype)
+        rot_k, rot_v = kv_cache.rotations(kc.dtype, q.shape[-1])  # (q8_0: attention in the rotated space)
+        q = kv_cache.rotate(q, rot_k)
+        k, v = kv_cache.store(k, kc.dtype, rot_k), kv_cache.store(v, vc.dtype, rot_v)
         kc.view(nb * bs, H, Ds).index_copy_(0, meta.slot_mapping, k)
         vc.view(nb * bs, H, Ds).index_copy_(0, meta.slot_mapping, v)
         q = q.contiguous()
@@ -115,7 +117,7 @@ class TorchPagedAttention(AttentionBackend):
                 out[rows] = sdpa(q[rows], keys, vals, s.mask(p.window), p)
         if meta.decode_rows is not None:
             self.decode(layer, q, out, kc, vc, meta)
-        return out
+        return kv_cache.rotate(out, rot_v)
 
     def decode(self, layer: int, q: torch.Tensor, out: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                meta: PagedMetadata) -> None:

@@ -152,8 +152,10 @@ def library() -> ctypes.CDLL | None:
         getattr(lib, name).argtypes = [p, p, p, p, p, i, p, p, i, i, i, i, i, i, i, ctypes.c_float, ctypes.c_float]
         getattr(lib, name).restype = ctypes.c_int
     lib.decoder_stack.argtypes = [p, p]  # structures: kernels/decoder_stack.py
-    lib.kv_quantize_q8.argtypes = [p, i, i, p]
+    lib.kv_quantize_q8.argtypes = [p, i, i, p, i]
     lib.kv_quantize_q8.restype = None
+    lib.kv_rotate.argtypes = [p, i, i, i]
+    lib.kv_rotate.restype = None
     lib.decoder_stack.restype = ctypes.c_int
     lib.routed_experts.argtypes = [p, i, p, i, p, p, p]  # the layer's structure: kernels/routed_experts.py
     lib.routed_experts.restype = ctypes.c_int
@@ -202,12 +204,21 @@ def decode_supported(cache: torch.Tensor) -> bool:
             and library() is not None)
 
 
-def kv_quantize_q8(x: torch.Tensor) -> torch.Tensor:
-    """x [..., D] fp32 -> its q8_0 blocks [..., D / 32 * 34] (attention/kv_cache.py's format)."""
+def kv_quantize_q8(x: torch.Tensor, rot: int = 0) -> torch.Tensor:
+    """x [..., D] fp32 -> its q8_0 blocks [..., D / 32 * 34] (attention/kv_cache.py's format),
+    each row rotated first by blocks of `rot` values (0: not)."""
     *lead, D = x.shape
     x = x.float().contiguous()
     out = torch.empty(*lead, D // 32 * 34, dtype=torch.uint8)
-    library().kv_quantize_q8(x.data_ptr(), x.numel() // D, D, out.data_ptr())
+    library().kv_quantize_q8(x.data_ptr(), x.numel() // D, D, out.data_ptr(), rot)
+    return out
+
+
+def kv_rotate(x: torch.Tensor, rot: int) -> torch.Tensor:
+    """x [..., D] fp32 with each block of `rot` values Walsh-Hadamard transformed (a new tensor)."""
+    D = x.shape[-1]
+    out = x.float().contiguous().clone()
+    library().kv_rotate(out.data_ptr(), out.numel() // D, D, rot)
     return out
 
 

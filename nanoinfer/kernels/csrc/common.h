@@ -60,6 +60,36 @@ inline float q8_scale(const Q8* row, int64_t block) {
     return half_to_float(h);
 }
 
+// The q8_0 cache stores each head's k and v rotated by an orthonormal Walsh-Hadamard transform
+// (as llama.cpp does for its quantised caches): an outlier channel's weight is spread over the
+// block, so the block's scale no longer crushes its small values. q . k is unchanged when q is
+// rotated the same way (the transform is orthonormal), and the attention's output, a sum of
+// rotated values, is rotated back (the transform is its own inverse). k's blocks: the largest
+// power of two from 64 that divides the head size; v's: 64; none when 64 does not divide it.
+inline int64_t k_rotation(int64_t D) {
+    if (D % 64) return 0;
+    int64_t n = 64;
+    while (D % (2 * n) == 0) n *= 2;
+    return n;
+}
+inline int64_t v_rotation(int64_t D) { return D % 64 ? 0 : 64; }
+
+// x's D values, each block of n (a power of two) transformed in place: butterflies, then 1/sqrt(n).
+inline void hadamard_blocks(float* x, int64_t D, int64_t n) {
+    const float scale = 1.f / std::sqrt(float(n));
+    for (int64_t b = 0; b < D; b += n) {
+        float* v = x + b;
+        for (int64_t h = 1; h < n; h *= 2)
+            for (int64_t i = 0; i < n; i += 2 * h)
+                for (int64_t j = i; j < i + h; j++) {
+                    const float a = v[j], c = v[j + h];
+                    v[j] = a + c;
+                    v[j + h] = a - c;
+                }
+        for (int64_t i = 0; i < n; i++) v[i] *= scale;
+    }
+}
+
 // One head's n values (a multiple of 32) as q8_0 blocks: d = max|x| / 127 (fp32, stored as
 // fp16), q = round-half-even(x * 127 / max|x|), as kv_cache.quantize_q8 computes them.
 inline void q8_quantize_row(const float* x, int64_t n, Q8* out) {
@@ -77,6 +107,20 @@ inline void q8_quantize_row(const float* x, int64_t n, Q8* out) {
             ob[2 + i] = uint8_t(int8_t(std::max(-127.f, std::min(127.f, v))));
         }
     }
+}
+
+// A head's D values into its q8_0 row, rotated first by blocks of `rot` values (0: not rotated).
+inline void q8_store_head(const float* x, int64_t D, Q8* out, int64_t rot) {
+    if (!rot) {
+        q8_quantize_row(x, D, out);
+        return;
+    }
+    float tmp[1024];
+    float* buf = D <= 1024 ? tmp : new float[size_t(D)];
+    std::memcpy(buf, x, sizeof(float) * D);
+    hadamard_blocks(buf, D, rot);
+    q8_quantize_row(buf, D, out);
+    if (buf != tmp) delete[] buf;
 }
 
 inline float load(const float* p, int64_t i) { return p[i]; }

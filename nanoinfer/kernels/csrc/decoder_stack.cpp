@@ -109,11 +109,11 @@ int64_t acts_bytes(const StackLinear& l, int64_t T, int64_t K) {
 }
 
 // A token's k or v (Hkv heads of D values) into its cache slot, in the cache's format.
-void store_row(void* cache, int64_t format, int64_t slot, const float* src, int64_t Hkv, int64_t D) {
+void store_row(void* cache, int64_t format, int64_t slot, const float* src, int64_t Hkv, int64_t D, int64_t rot) {
     const int64_t n = Hkv * D;
     if (format == nanoinfer::KV_Q8_0) {
         Q8* dst = static_cast<Q8*>(cache) + slot * Hkv * head_stride<Q8>(D);
-        for (int64_t h = 0; h < Hkv; h++) q8_quantize_row(src + h * D, D, dst + h * head_stride<Q8>(D));
+        for (int64_t h = 0; h < Hkv; h++) q8_store_head(src + h * D, D, dst + h * head_stride<Q8>(D), rot);
     } else if (format == nanoinfer::KV_BF16) {
         BF16* dst = static_cast<BF16*>(cache) + slot * n;
         for (int64_t i = 0; i < n; i++) store(dst, i, src[i]);
@@ -175,6 +175,8 @@ extern "C" int decoder_stack(const StackModel* m, const StackStep* s) {
     void* qacts = parts[7];
     void* moe_ws = parts[9];
     const int64_t kv_format = m->kv_format;
+    const bool q8 = kv_format == nanoinfer::KV_Q8_0;
+    const int64_t rot_k = q8 ? k_rotation(D) : 0, rot_v = q8 ? v_rotation(D) : 0;
     int rc = 0;
 
 #pragma omp parallel
@@ -227,15 +229,22 @@ extern "C" int decoder_stack(const StackModel* m, const StackStep* s) {
                             std::memcpy(qk + hd * D + RD, src + hd * D + RD, sizeof(float) * (D - RD));
                         }
                     }
+                    if (rot_k)  // a q8_0 cache holds rotated keys: the queries turn alike (common.h)
+                        for (int64_t hd = 0; hd < H; hd++) hadamard_blocks(qk + hd * D, D, rot_k);
                     std::memcpy(q + t * H * D, qk, sizeof(float) * H * D);
-                    store_row(L.k_cache, kv_format, s->slots[t], qk + H * D, Hkv, D);
-                    store_row(L.v_cache, kv_format, s->slots[t], row + (H + Hkv) * D, Hkv, D);
+                    store_row(L.k_cache, kv_format, s->slots[t], qk + H * D, Hkv, D, rot_k);
+                    store_row(L.v_cache, kv_format, s->slots[t], row + (H + Hkv) * D, Hkv, D, rot_v);
                 }
 #pragma omp single
                 nanoinfer::attention_plan(s->ctx, T, L.window, offset);
                 nanoinfer::attention_team_f32(q, s->rows, L.k_cache, L.v_cache, int(kv_format), s->tables, s->width, s->ctx, att,
                                               T, H, Hkv, D, m->block_size, L.window, s->max_ctx, L.scale, L.softcap,
                                               offset, units, sc);
+                if (rot_v) {  // the sum of rotated values, turned back
+#pragma omp for schedule(static)
+                    for (int64_t t = 0; t < T; t++)
+                        for (int64_t hd = 0; hd < H; hd++) hadamard_blocks(att + (t * H + hd) * D, D, rot_v);
+                }
                 r = linear(L.o, att, T, H * D, proj, s->path, qacts);
             }
             if (!r) {

@@ -402,8 +402,14 @@ ENTRY(paged_decode_bf16, BF16, BF16)
 ENTRY(paged_decode_f32_bf16kv, float, BF16)  // fp32 activations over a bf16 cache (the quantised path)
 ENTRY(paged_decode_f32_q8kv, float, Q8)      // fp32 activations over a q8_0 cache
 
-// rows [n, D] fp32 -> their q8_0 blocks [n, D / 32 * 34] (attention/kv_cache.py's format).
-extern "C" void kv_quantize_q8(const float* x, int64_t n, int64_t D, uint8_t* out) {
+// rows [n, D] fp32 -> their q8_0 blocks [n, D / 32 * 34] (attention/kv_cache.py's format), each
+// rotated first by blocks of `rot` values (0: not rotated).
+extern "C" void kv_quantize_q8(const float* x, int64_t n, int64_t D, uint8_t* out, int64_t rot) {
     for (int64_t r = 0; r < n; r++)
-        q8_quantize_row(x + r * D, D, reinterpret_cast<Q8*>(out) + r * head_stride<Q8>(D));
+        q8_store_head(x + r * D, D, reinterpret_cast<Q8*>(out) + r * head_stride<Q8>(D), rot);
+}
+
+// rows [n, D] fp32 rotated in place by blocks of `rot` values (common.h's hadamard_blocks).
+extern "C" void kv_rotate(float* x, int64_t n, int64_t D, int64_t rot) {
+    for (int64_t r = 0; r < n; r++) hadamard_blocks(x + r * D, D, rot);
 }
