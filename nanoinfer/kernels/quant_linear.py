@@ -71,9 +71,17 @@ def _repacked(t: QuantizedTensor) -> QuantizedTensor:
     return out
 
 
+F32 = 0  # GGML's id of F32: kept as stored (an F32 file's experts), it is still the fp32 model's weight
+
+
 def has_block_weights(model: nn.Module) -> bool:
-    """Some weight of the model runs in its file's block format."""
-    return any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in model.modules())
+    """Some weight of the model runs in its file's block format (F32 kept as stored does not
+    count: the model then computes as the fp32 one does, and keeps its fp32 KV cache and peaks)."""
+    for m in model.modules():
+        tensors = m.parts if isinstance(m, QuantLinear) else [m.table] if isinstance(m, QuantEmbedding) else []
+        if any(t.qtype != F32 for t in tensors):
+            return True
+    return False
 
 
 def kernel_for(t: QuantizedTensor) -> bool:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import AsyncIterator
 
 from ..sampling import Logprob
 from ..tokenizer import UNICODE_TO_BYTE, TokenizerLike
@@ -15,6 +16,15 @@ def sse(obj: dict | str) -> str:
     """One server-sent event: `data: <json>` and a blank line."""
     data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
     return f"data: {data}\n\n"
+
+
+async def sse_bodies(events: AsyncIterator[str]) -> AsyncIterator[dict]:
+    """The JSON bodies of a stream of sse() events (the closing [DONE] left out): what another
+    API family's route reshapes an OpenAI stream from."""
+    async for event in events:
+        data = event.removeprefix("data: ").strip()
+        if data != "[DONE]":
+            yield json.loads(data)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -94,34 +94,18 @@ inline float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 
-// out[i] = q . row i, for n rows `stride` values apart: eight rows at a time, reduced together.
+// q . one row, as 8 lanes (summed by the caller).
 template <int D, typename T>
-inline void dots(const float* qh, const T* rows, int64_t stride, int64_t n, float* out) {
-    __m256 q[D / 8];
-    for (int c = 0; c < D / 8; c++) q[c] = _mm256_loadu_ps(qh + 8 * c);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 a[8];
-        for (int j = 0; j < 8; j++) {
-            const T* r = rows + (i + j) * stride;
-            __m256 x = _mm256_mul_ps(q[0], load8(r, 0));
-            for (int c = 1; c < D / 8; c++) x = _mm256_fmadd_ps(q[c], load8(r, 8 * c), x);
-            a[j] = x;
-        }
-        _mm256_storeu_ps(out + i, hsum8x8(a));
-    }
-    for (; i < n; i++) {
-        const T* r = rows + i * stride;
-        __m256 x = _mm256_mul_ps(q[0], load8(r, 0));
-        for (int c = 1; c < D / 8; c++) x = _mm256_fmadd_ps(q[c], load8(r, 8 * c), x);
-        out[i] = hsum(x);
-    }
+inline __m256 row_dot(const __m256* q, const T* r) {
+    __m256 x = _mm256_mul_ps(q[0], load8(r, 0));
+    for (int c = 1; c < D / 8; c++) x = _mm256_fmadd_ps(q[c], load8(r, 8 * c), x);
+    return x;
 }
 
 // q8_0 rows: per block, the 32 products summed (4 lanes of fused multiply-adds), then times the
 // block's scale into the row's sum; the same order for every row and path.
 template <int D>
-inline __m256 dot_q8(const __m256* q, const Q8* r) {
+inline __m256 row_dot(const __m256* q, const Q8* r) {
     __m256 x = _mm256_setzero_ps();
     for (int b = 0; b < D / kQ8Block; b++) {
         const Q8* qb = r + b * kQ8Bytes + 2;
@@ -132,17 +116,18 @@ inline __m256 dot_q8(const __m256* q, const Q8* r) {
     return x;
 }
 
-template <int D>
-inline void dots(const float* qh, const Q8* rows, int64_t stride, int64_t n, float* out) {
+// out[i] = q . row i, for n rows `stride` values apart: eight rows at a time, reduced together.
+template <int D, typename T>
+inline void dots(const float* qh, const T* rows, int64_t stride, int64_t n, float* out) {
     __m256 q[D / 8];
     for (int c = 0; c < D / 8; c++) q[c] = _mm256_loadu_ps(qh + 8 * c);
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         __m256 a[8];
-        for (int j = 0; j < 8; j++) a[j] = dot_q8<D>(q, rows + (i + j) * stride);
+        for (int j = 0; j < 8; j++) a[j] = row_dot<D>(q, rows + (i + j) * stride);
         _mm256_storeu_ps(out + i, hsum8x8(a));
     }
-    for (; i < n; i++) out[i] = hsum(dot_q8<D>(q, rows + i * stride));
+    for (; i < n; i++) out[i] = hsum(row_dot<D>(q, rows + i * stride));
 }
 
 // acc[0..63] += sum_i p[i] * (values d0 .. d0 + 63 of row i), in registers.

@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from ..outputs import sse_bodies
 from ..protocol import APIError, ChatCompletionRequest, check_fields, message_dicts
 from ..protocol import Request as Body
 from ..serving import ClientGone, Reply
@@ -178,11 +179,7 @@ async def _stream(chunks: AsyncIterator[str], model: str) -> AsyncIterator[str]:
         "id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": model, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}})
     index, open_text, finish = -1, False, None
-    async for line in chunks:
-        data = line.removeprefix("data: ").strip()
-        if data == "[DONE]":
-            continue
-        body = json.loads(data)
+    async for body in sse_bodies(chunks):
         if "error" in body:
             error = body["error"]
             yield _event("error", {"error": {"type": ERROR_TYPES.get(400, "api_error"), "message": error.get("message")}})

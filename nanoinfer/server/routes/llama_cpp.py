@@ -22,7 +22,7 @@ from pydantic_core import PydanticCustomError
 
 from ... import __version__
 from ...tokenizer.fim import fim_prompt, fim_tokens
-from ..outputs import sse
+from ..outputs import sse, sse_bodies
 from ..protocol import APIError, CompletionRequest, check_fields
 from ..protocol import Request as Body
 from ..serving import ClientGone, Reply, Serving
@@ -99,13 +99,9 @@ def _final(choice: dict, usage: dict | None, model: str) -> dict:
 async def _stream(events: AsyncIterator[str], model: str) -> AsyncIterator[str]:
     """OpenAI's completion chunks as llama.cpp's: a `content` event per piece, then the last one."""
     last: dict | None = None
-    async for event in events:
-        data = event.removeprefix("data: ").strip()
-        if data == "[DONE]":
-            continue
-        body = json.loads(data)
+    async for body in sse_bodies(events):
         if "error" in body:
-            yield event
+            yield sse(body)
             return
         for choice in body.get("choices") or []:
             if choice.get("text"):
