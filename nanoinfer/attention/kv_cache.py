@@ -19,6 +19,7 @@ Formats (the cache tensor's dtype names them):
 """
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ def stored_dim(dtype: torch.dtype, head_dim: int) -> int:
     return head_dim
 
 
+@functools.cache  # (asked by every layer of every step)
 def rotations(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
     """The rotation blocks of k and v in this format (0: none); csrc/common.h's k_rotation, v_rotation."""
     if not is_q8(dtype) or head_dim % 64:

@@ -31,6 +31,13 @@ def prompt_keep(truncate: int | None, max_model_len: int, max_tokens: int | None
     return truncate
 
 
+def keep_last(ids: list[int], keep: int | None) -> tuple[list[int], int]:
+    """ids cut to their last `keep` tokens (None: all), and how many were cut."""
+    if keep is None or len(ids) <= keep:
+        return ids, 0
+    return ids[-keep:], len(ids) - keep
+
+
 def turn_starts(messages: list[dict]) -> tuple[int, list[int]]:
     """(the end of the leading system/developer messages, where each turn after them starts);
     the first turn starts right after the system prompt, each other one at a user message."""

@@ -26,7 +26,7 @@ from ..tokenizer.tool_prompt import with_tools
 from .access import AccessPolicy
 from .constraints import request_constraint
 from .outputs import CompletionLogprobs, TokenText, chat_logprobs, sse, usage, vllm_prompt_logprobs
-from .overflow import TRUNCATED_MESSAGES_HEADER, TRUNCATED_TOKENS_HEADER, fit_chat, prompt_keep
+from .overflow import TRUNCATED_MESSAGES_HEADER, TRUNCATED_TOKENS_HEADER, fit_chat, keep_last, prompt_keep
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, check_fields, message_dicts
 from .tool_calls import ToolCallParser, parse_tool_calls
 
@@ -324,8 +324,9 @@ class Serving:
                 out.append(Prompt(p, await self.encode(self.tokenizer.encode, p, parse_special=parse_special)))
             else:
                 out.append(Prompt(None, list(p)))
-            if keep is not None and len(out[-1].ids) > keep:
-                out[-1] = Prompt(None, out[-1].ids[-keep:], cut=len(out[-1].ids) - keep)
+            ids, cut = keep_last(out[-1].ids, keep)
+            if cut:
+                out[-1] = Prompt(None, ids, cut)
             self.validate_prompt(out[-1].ids, "prompt")
         return out
 
@@ -413,20 +414,16 @@ class Serving:
         params = self.sampling_params(req, max_tokens=max_tokens, max_tokens_param=mt_param,
                                       logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                       logprobs_param="top_logprobs", structured_outputs=spec)
-
-        async def encode(msgs: list[dict]) -> list[int]:
-            return await self.chat_ids(req, msgs, tools)
-
         if req.truncation == "auto":
-            ids, dropped = await fit_chat(messages, encode, self.max_model_len, max_tokens, mt_param)
+            ids, dropped = await fit_chat(messages, lambda msgs: self.chat_ids(req, msgs, tools), self.max_model_len,
+                                          max_tokens, mt_param)
             if dropped:
                 headers[TRUNCATED_MESSAGES_HEADER] = str(dropped)
         else:
-            ids = await encode(messages)
-        keep = prompt_keep(req.truncate_prompt_tokens, self.max_model_len, max_tokens)
-        if keep is not None and len(ids) > keep:
-            headers[TRUNCATED_TOKENS_HEADER] = str(len(ids) - keep)
-            ids = ids[-keep:]
+            ids = await self.chat_ids(req, messages, tools)
+        ids, cut = keep_last(ids, prompt_keep(req.truncate_prompt_tokens, self.max_model_len, max_tokens))
+        if cut:
+            headers[TRUNCATED_TOKENS_HEADER] = str(cut)
         self.validate_prompt(ids, "messages")
         self.check_window(len(ids), max_tokens, mt_param)
         prompts = [Prompt(None, ids)]
