@@ -138,6 +138,14 @@ class LLM:
                 bar.close()
         return [self.engine.release(rid) for rid in rids]
 
+    def embed(self, prompts: Prompt | Seq[Prompt], pooling: str = "last",
+              parse_special: bool = True) -> list[list[float]]:
+        """One L2-normalised vector per prompt: its final normalised hidden states pooled
+        ("last" position, as vLLM's decoder embedders, or "mean"), computed by the engine's
+        scheduler like any prefill. A vector does not depend on the batch it ran in."""
+        params = SamplingParams(max_tokens=0, pooling=pooling, temperature=0)
+        return [out.embedding for out in self.generate(prompts, params, parse_special=parse_special)]
+
     def chat_ids(self, messages: list[dict], tools: list[dict] | None = None,
                  add_generation_prompt: bool = True, parse_special: bool = False, **template_kwargs) -> list[int]:
         return self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools,

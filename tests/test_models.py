@@ -38,10 +38,10 @@ def engine_greedy(llm: LLM, ids: list[int], steps: int):
     run = llm.engine.runner.run
 
     def spy(batch):
-        logits, rows = run(batch)
+        logits, rows, hidden = run(batch)
         if rows.samplers:
             captured.append(logits[0].cpu().clone())
-        return logits, rows
+        return logits, rows, hidden
 
     llm.engine.runner.run = spy
     try:

@@ -126,10 +126,10 @@ def engine_greedy(llm: LLM, prompts: list[list[int]], steps: int):
     run = llm.engine.runner.run
 
     def spy(batch):
-        logits, rows = run(batch)
+        logits, rows, hidden = run(batch)
         for row, i in enumerate(rows.samplers):
             captured.append((batch.seqs[i].request_id, logits[row].clone()))
-        return logits, rows
+        return logits, rows, hidden
 
     llm.engine.runner.run = spy
     try:

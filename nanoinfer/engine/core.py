@@ -161,9 +161,10 @@ class LLMEngine:
             raise InvalidRequestError("the prompt is empty")
         n = len(prompt_ids)
         if n > self.max_model_len or (n == self.max_model_len and not scoring):
+            room = "" if scoring else ": no room to generate"
             raise InvalidRequestError(
-                f"the prompt has {n} tokens but the context window is {self.max_model_len}: "
-                f"no room to generate (shorten the prompt)", code="context_length_exceeded")
+                f"the prompt has {n} tokens but the context window is {self.max_model_len}{room} "
+                f"(shorten the prompt)", code="context_length_exceeded")
         vocab = self.model_config.vocab_size
         bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
@@ -180,6 +181,8 @@ class LLMEngine:
         if params.min_tokens and len(set(self.tokenizer.eos_token_ids) | set(params.stop_token_ids)) >= vocab:
             raise InvalidRequestError("stop_token_ids with min_tokens leave no token to generate",
                                       param="stop_token_ids")
+        if params.pooling is not None and self.executor is not None:
+            raise InvalidRequestError("pooling (embeddings) is not served under tensor parallelism", param="pooling")
         if params.structured_outputs is not None:  # compiled once and cached: add_request finds it
             self.structured.compile(params.structured_outputs)
 
@@ -237,7 +240,8 @@ class LLMEngine:
     def output(self, request_id: str) -> RequestOutput:
         seqs = self.requests[request_id]
         return RequestOutput(request_id, seqs[0].prompt, seqs[0].prompt_ids, [s.completion() for s in seqs],
-                             all(s.finished for s in seqs), [s.stats for s in seqs], seqs[0].prompt_logprobs)
+                             all(s.finished for s in seqs), [s.stats for s in seqs], seqs[0].prompt_logprobs,
+                             seqs[0].embedding)
 
     def release(self, request_id: str) -> RequestOutput:
         """The final output of a request; the engine forgets it (aborting it if still running)."""
@@ -255,11 +259,15 @@ class LLMEngine:
             return []
         self.cache.copy_blocks(batch.block_copies)
         t0 = time.perf_counter()
-        logits, step_rows = self.runner.run(batch)
+        logits, step_rows, hidden = self.runner.run(batch)
         # Rows sample on the CPU with their own CPU generators: a seed gives the same tokens on
         # any device. The copy also waits for the device, so `seconds` is the real step time.
         logits = logits.cpu()
         samplers = step_rows.samplers
+        r = 0
+        for i, first, count in step_rows.hidden:  # pooling sequences take their positions' hidden states
+            batch.seqs[i].take_hidden(first, hidden[r:r + count])
+            r += count
         if step_rows.prompt:  # rows after the sampling ones score prompt tokens
             self._score_prompts(batch, step_rows.prompt, logits[len(samplers):])
             logits = logits[:len(samplers)]

@@ -35,6 +35,9 @@ class DraftSequence:
     spec: Speculation = field(default_factory=Speculation)  # always empty: the draft does not speculate
     wants_prompt_logprobs = False  # nor score prompts
 
+    def hidden_span(self, start: int, end: int) -> None:
+        return None  # nor pool them
+
     @property
     def length(self) -> int:
         return len(self.tokens)
@@ -107,7 +110,7 @@ class DraftModelProposer:
             step = [(i, d) for i, d, k in live if j < k]
             batch = ScheduledBatch([d for _, d in step], [d.length - d.kv.num_computed for _, d in step])
             with torch.inference_mode():
-                logits, _ = self.runner.run(batch)
+                logits, _, _ = self.runner.run(batch)
             best = logits.float().cpu().numpy().argmax(-1)
             for (i, d), t in zip(step, best.tolist()):
                 d.kv.num_computed = d.length

@@ -114,6 +114,7 @@ class RequestOutput:
     stats: list[RequestStats] = field(default_factory=list)  # one per sample
     # With prompt_logprobs: per prompt token (the first None), the token's logprob and the top ones
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    embedding: list[float] | None = None  # with SamplingParams.pooling: the prompt's L2-normalised vector
 
 
 @dataclass
@@ -131,3 +132,4 @@ class StreamDelta:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # on sample 0's first delta, if asked for
     violations: list[str] | None = None  # on the last delta: what the output breaks of a relaxed schema
     stop_reason: int | str | None = None  # on the last delta: the stop token id or stop string that ended it
+    embedding: list[float] | None = None  # on the last delta of a pooling request (SamplingParams.pooling)

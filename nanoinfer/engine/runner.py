@@ -18,9 +18,11 @@ class StepRows:
     """Which sequence each row of a step's logits belongs to: first the sampling rows (a
     sequence with proposed tokens has 1 + k, in order), then rows whose logits score prompt
     tokens (`prompt`: sequence index, first position, count; position p's row predicts prompt
-    token p + 1)."""
+    token p + 1). `hidden`: rows whose final hidden states a pooling sequence takes (sequence
+    index, first position, count), after all the logits rows."""
     samplers: list[int] = field(default_factory=list)
     prompt: list[tuple[int, int, int]] = field(default_factory=list)
+    hidden: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -52,6 +54,7 @@ class ModelRunner:
         logits_rows: list[int] = []
         rows = StepRows()
         prompt_rows: list[int] = []
+        hidden_rows: list[int] = []
         prev: list[int] = []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             start = seq.kv.num_computed
@@ -74,7 +77,11 @@ class ModelRunner:
                 if end > first:
                     rows.prompt.append((i, first, end - first))
                     prompt_rows.extend(range(q_start + first - start, q_start + end - start))
-        logits_indices = logits_rows + prompt_rows
+            span = seq.hidden_span(start, start + n)
+            if span is not None:
+                rows.hidden.append((i, *span))
+                hidden_rows.extend(range(q_start + span[0] - start, q_start + span[0] + span[1] - start))
+        logits_indices = logits_rows + prompt_rows + hidden_rows
         meta = self.attention.prepare(AttentionBatch(starts, seq_lens, tables, slots, positions, logits_indices))
         forward = ForwardBatch(
             index_tensor(ids, self.device), index_tensor(positions, self.device), self.attention, meta,
@@ -83,9 +90,15 @@ class ModelRunner:
         return forward, rows
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, StepRows]:
-        """Returns logits [rows, vocab] (fp32) and whose rows they are."""
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, StepRows, torch.Tensor | None]:
+        """Returns logits [rows, vocab] (fp32), whose rows they are, and the hidden states
+        [rows, hidden] of rows.hidden (None when no sequence pools). The head runs on the
+        logits rows only: a row's logits are the same whether or not others pool beside it."""
         forward, rows = self.build(batch)
         if self.executor is not None:
             self.executor.step(batch.block_copies, forward)
-        return self.model(forward), rows
+        if not rows.hidden:
+            return self.model(forward), rows, None
+        hidden = self.model.hidden_states(forward)
+        n = len(forward.logits_indices) - sum(count for _, _, count in rows.hidden)
+        return self.model.compute_logits(hidden[:n]), rows, hidden[n:]

@@ -138,7 +138,7 @@ class Scheduler:
                 break  # its n-1 forks join the running set after its prefill: they count from now
             if not seq.kv.block_table:
                 seq.kv.num_computed = self.blocks.allocate_prompt(seq.kv.block_table, seq.all_ids,
-                                                               lookup=not seq.wants_prompt_logprobs)
+                                                               lookup=not seq.needs_every_position)
             n = min(seq.length - seq.kv.num_computed, budget)
             placed = self._allocate(seq, n)
             # A paused sequence's blocks are the first to give up for one that can run.

@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from ..errors import ConstraintError
 from ..sampling import Logprob, RowSampler, SamplingParams
 from ..structured import Constraint
@@ -71,6 +73,11 @@ class Sequence:
     # With params.prompt_logprobs: one entry per prompt token so far (the first None: nothing predicts it)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False  # handed out with a delta already
+    # With params.pooling: the final hidden states of the prompt positions it pools, in order
+    # (mean: every position; last: the last one), then the embedding made of them
+    hidden_rows: list[torch.Tensor] = field(default_factory=list)
+    pooled_positions: int = 0  # leading positions whose rows are taken (mean), or all of them (last)
+    embedding: list[float] | None = None
     forks: list[Sequence] = field(default_factory=list)  # samples 1..n-1, forked after this one's prefill
     # the engine's state of it, one object per concern
     kv: KVPlacement = field(default_factory=KVPlacement)
@@ -91,6 +98,38 @@ class Sequence:
     def wants_prompt_logprobs(self) -> bool:
         """Still needs the logits of prompt positions (each predicts the next prompt token)."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
+
+    @property
+    def needs_every_position(self) -> bool:
+        """Its prompt's every position must run through the model: nothing read from the prefix cache."""
+        return self.wants_prompt_logprobs or self.params.pooling == "mean"
+
+    def hidden_span(self, start: int, end: int) -> tuple[int, int] | None:
+        """Of the positions [start, end) that a step runs, those whose hidden states it pools
+        and has not taken yet (a preemption runs some again)."""
+        pooling, p = self.params.pooling, len(self.prompt_ids)
+        if pooling is None or self.pooled_positions >= p:
+            return None
+        first = max(start, self.pooled_positions) if pooling == "mean" else p - 1
+        last = min(end, p)
+        return (first, last - first) if last > first else None
+
+    def take_hidden(self, first: int, rows: torch.Tensor) -> None:
+        if first != self.pooled_positions and self.params.pooling == "mean":
+            return  # taken already
+        self.hidden_rows.append(rows.float())
+        self.pooled_positions = first + len(rows)
+
+    def finish_scored(self) -> StreamDelta:
+        """max_tokens 0: the prompt was scored or pooled; nothing is generated."""
+        if self.params.pooling is not None:
+            rows = torch.cat(self.hidden_rows)
+            pooled = rows[-1] if self.params.pooling == "last" else rows.mean(0)
+            self.embedding = torch.nn.functional.normalize(pooled, dim=0).tolist()
+            self.hidden_rows = []
+        self.finish_cause = FinishCause.MAX_TOKENS
+        self.stats.finished = time.perf_counter()
+        return self.delta("", [], None)
 
     @property
     def finished(self) -> bool:
@@ -183,12 +222,6 @@ class Sequence:
         self.stats.finished = time.perf_counter()
         return self.delta("", [], None)
 
-    def finish_scored(self) -> StreamDelta:
-        """max_tokens 0: the prompt was scored; nothing is generated."""
-        self.finish_cause = FinishCause.MAX_TOKENS
-        self.stats.finished = time.perf_counter()
-        return self.delta("", [], None)
-
     def delta(self, text: str, token_ids: list[int], logprobs) -> StreamDelta:
         prompt_logprobs = None
         if self.prompt_logprobs is not None and not self.prompt_logprobs_sent and not self.wants_prompt_logprobs:
@@ -198,7 +231,7 @@ class Sequence:
                            [logprobs] if logprobs is not None else None,
                            self.output_mask[len(self.output_mask) - len(token_ids):], prompt_logprobs,
                            self.violations() if self.finished else None,
-                           self.stop_reason if self.finished else None)
+                           self.stop_reason if self.finished else None, self.embedding)
 
     def violations(self) -> list[str] | None:
         if self.grammar is None or self.finish_cause in (FinishCause.ABORT, None):

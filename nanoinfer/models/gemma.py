@@ -71,7 +71,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
             state = {k: (t + 1.0 if k.endswith("norm.weight") else t) for k, t in state.items()}
         super().load_weights(state)
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
         batch = batch.resolved(self.config)
         x = self.model.embed_tokens(batch.input_ids)
         x = x * torch.tensor(math.sqrt(self.config.hidden_size), dtype=x.dtype)
@@ -86,7 +86,10 @@ class GemmaForCausalLM(LlamaForCausalLM):
         if batch.logits_indices is not None:
             x = x[batch.logits_indices]
             residual = None if residual is None else residual[batch.logits_indices]
-        logits = self.lm_head(self.model.norm(x, residual)[0]).float()
+        return self.model.norm(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
         if self.config.final_softcap:
             c = self.config.final_softcap
             logits = torch.tanh(logits / c) * c

@@ -277,6 +277,14 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Returns fp32 logits for the rows in batch.logits_indices (all rows when None): the
         LM head is the largest matmul, so prefill asks only for the positions that sample."""
+        return self.compute_logits(self.hidden_states(batch))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
+        """The final normalised hidden states of the rows in batch.logits_indices: what the
+        head reads, and what embeddings pool."""
         batch = batch.resolved(self.config)
         x = self.model.embed_tokens(batch.input_ids)
         dtype = x.dtype
@@ -291,4 +299,4 @@ class LlamaForCausalLM(nn.Module):
         if batch.logits_indices is not None:  # (post-norm layers hand back the whole stream: no residual)
             x = x[batch.logits_indices]
             residual = None if residual is None else residual[batch.logits_indices]
-        return self.lm_head(self.model.norm(x, residual)[0]).float()
+        return self.model.norm(x, residual)[0]

@@ -194,6 +194,16 @@ class NanochatGPT(nn.Module):
         """batch.prev_ids: each token's predecessor in its own sequence, -1 at position 0;
         derived from input_ids when None and the run is whole sequences. Returns fp32
         soft-capped logits [rows, vocab_size] for batch.logits_indices (all rows when None)."""
+        return self.compute_logits(self.hidden_states(batch))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)[:, :self.vocab_size].float()  # drop the padding rows
+        if self.softcap is not None:
+            logits = self.softcap * torch.tanh(logits / self.softcap)
+        return logits
+
+    def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
+        """The final normalised hidden states of the rows in batch.logits_indices."""
         batch = batch.resolved(self.config)
         input_ids, positions, prev_ids = batch.input_ids, batch.positions, batch.prev_ids
         x = norm(self.transformer.wte(input_ids))
@@ -217,7 +227,4 @@ class NanochatGPT(nn.Module):
         if x_backout is not None:
             # Take back part of the mid-network state: it helped the middle layers, not the head.
             x = (x - self.backout_lambda * x_backout).to(dtype)
-        logits = self.lm_head(norm(x))[:, :self.vocab_size].float()  # drop the padding rows
-        if self.softcap is not None:
-            logits = self.softcap * torch.tanh(logits / self.softcap)
-        return logits
+        return norm(x)

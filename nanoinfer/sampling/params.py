@@ -12,6 +12,7 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_CONSTRAINT_CHARS = 1 << 20  # a schema, regex or grammar: compiled per request, so bounded
 MAX_CHOICES = 1024
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what a torch.Generator takes
+POOLING = ("last", "mean")  # how SamplingParams.pooling makes one vector of a prompt
 
 
 def _number(x) -> bool:
@@ -123,6 +124,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's)
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # a dict is taken as its fields
+    # An embedding: the prompt's final normalised hidden states pooled ("last": the last
+    # position's; "mean": all positions' average) and L2-normalised; needs max_tokens=0.
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -161,7 +165,10 @@ class SamplingParams:
             ("repetition_penalty", num("repetition_penalty", 0.0, 10.0) and self.repetition_penalty > 0.0,
              "must be in (0, 10]"),
             ("max_tokens", self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1)
-             or (self.max_tokens == 0 and self.scoring), "must be an integer >= 1 (0 only with prompt_logprobs: scoring)"),
+             or (self.max_tokens == 0 and self.scoring),
+             "must be an integer >= 1 (0 only with prompt_logprobs or pooling: scoring)"),
+            ("pooling", self.pooling is None or (self.pooling in POOLING and self.max_tokens == 0 and self.n == 1),
+             f"must be one of {', '.join(POOLING)}, with max_tokens=0 and n=1"),
             ("prompt_logprobs", self.prompt_logprobs is None
              or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20), "must be in [0, 20]"),
             ("logit_bias", self.logit_bias is None or (isinstance(self.logit_bias, dict) and len(self.logit_bias) <= 1024
@@ -199,8 +206,9 @@ class SamplingParams:
 
     @property
     def scoring(self) -> bool:
-        """Asks for the prompt's logprobs: max_tokens may be 0 (score the prompt, generate nothing)."""
-        return self.prompt_logprobs is not None
+        """Asks for something of the prompt itself (its logprobs, its pooled hidden states):
+        max_tokens may be 0 (prefill only, generate nothing)."""
+        return self.prompt_logprobs is not None or self.pooling is not None
 
     @property
     def greedy(self) -> bool:

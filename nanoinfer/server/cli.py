@@ -23,6 +23,7 @@ from ..cli_args import (
     run_command,
 )
 from ..errors import NanoinferError
+from ..sampling import POOLING
 
 # A served step that decodes lasts about this long (engine/pacing.py): prompt chunks are cut to
 # fit, so every stream's next token comes within about this time of its last while prompts prefill.
@@ -52,7 +53,8 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      help="largest max_tokens; also chat's default, and the cap of completions' 16 "
                           "(default: only the context window)")
     lim.add_argument("--max-prompts", type=positive_int, default=64,
-                     help="most prompts in one /v1/completions request (default 64)")
+                     help="most prompts in one /v1/completions request, or texts in one embeddings request "
+                          "(default 64)")
     lim.add_argument("--max-request-bytes", type=byte_size, default=1 << 20,
                      help="largest request body; larger gets 413 (default 1M)")
     lim.add_argument("--shutdown-timeout", type=float, default=5.0,
@@ -72,6 +74,9 @@ def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                      help="join this Ray cluster (default: start a local Ray instance)")
     rep.add_argument("--routing", default="prefix", choices=["prefix", "round-robin"],
                      help="how replicas are picked: prefix-aware (default) or round-robin")
+    p.add_argument("--embedding-pooling", default="last", choices=POOLING,
+                   help="how /v1/embeddings makes a text's vector of its final hidden states: the last position's "
+                        "(default, as vLLM's decoder embedders) or the mean of all positions'; L2-normalised")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -108,7 +113,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     config = ServerConfig(model_name=name, max_n=a.max_n, max_tokens_limit=a.max_tokens_limit,
                           max_request_bytes=a.max_request_bytes, max_prompts=a.max_prompts,
                           shutdown_timeout=a.shutdown_timeout, header_timeout=a.header_timeout,
-                          client_read_timeout=a.client_read_timeout, access=access)
+                          client_read_timeout=a.client_read_timeout, access=access,
+                          embedding_pooling=a.embedding_pooling)
     # uvicorn shuts down gracefully on SIGTERM, then raises it again for the previous handler:
     # make that an ordinary exit (status 0) rather than death by signal.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -138,7 +144,7 @@ def _serve_replicas(a: argparse.Namespace) -> int:
     server = dict(model_name=name, max_n=a.max_n, max_tokens_limit=a.max_tokens_limit,
                   max_request_bytes=a.max_request_bytes, max_prompts=a.max_prompts,
                   shutdown_timeout=a.shutdown_timeout, header_timeout=a.header_timeout,
-                  client_read_timeout=a.client_read_timeout)
+                  client_read_timeout=a.client_read_timeout, embedding_pooling=a.embedding_pooling)
     settings = ReplicaSettings(a.model and str(Path(a.model).resolve()), a.dtype, a.max_model_len, engine_kwargs(a),
                                server, a.replicas, a.speculative_config, access_policy(a),
                                threads=threads.share(a.threads, a.replicas))

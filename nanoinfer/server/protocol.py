@@ -144,6 +144,14 @@ class CompletionRequest(SamplingFields):
     parse_special: bool = True  # special-token text in the prompt ("<|fim_prefix|>") becomes the token
 
 
+class EmbeddingRequest(Request):
+    input: Annotated[str | list[str] | list[int] | list[list[int]], PlainValidator(_prompt)]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's, as for completions (overflow.py)
+
+
 class ContentPart(Strict):
     model_config = ConfigDict(extra="allow", strict=True)
     type: str

@@ -1,5 +1,6 @@
-"""/v1/completions and /v1/chat/completions: request -> prompts and SamplingParams -> the engine
-thread -> OpenAI's response or chunk stream.
+"""/v1/completions, /v1/chat/completions and /v1/embeddings: request -> prompts and
+SamplingParams -> the engine thread -> OpenAI's response or chunk stream. The other API
+families' routes translate their requests into these.
 
 Nothing here runs model code: prompts are tokenized on the event loop (a thread for long ones)
 and the engine runs on its own thread behind AsyncEngine. Every way a request can end early
@@ -9,12 +10,15 @@ the request and frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from ..engine.async_engine import AsyncEngine
 from ..engine.outputs import RequestOutput, StreamDelta
@@ -27,7 +31,15 @@ from .access import AccessPolicy
 from .constraints import request_constraint
 from .outputs import CompletionLogprobs, TokenText, chat_logprobs, sse, usage, vllm_prompt_logprobs
 from .overflow import TRUNCATED_MESSAGES_HEADER, TRUNCATED_TOKENS_HEADER, fit_chat, keep_last, prompt_keep
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, check_fields, message_dicts
+from .protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    SamplingFields,
+    check_fields,
+    message_dicts,
+)
 from .tool_calls import ToolCallParser, parse_tool_calls
 
 logger = logging.getLogger("nanoinfer.server")
@@ -46,6 +58,8 @@ class ServerConfig:
     header_timeout: float = 10.0  # seconds a connection gets to send a request's headers
     client_read_timeout: float = 30.0  # seconds a stream may go unread before its request is aborted
     access: AccessPolicy = field(default_factory=AccessPolicy)  # keys, hosts, origins (access.py); default: open
+    replica_index: int | None = None  # behind --replicas, this replica's: in its stored responses' ids (replicas.py)
+    embedding_pooling: str = "last"  # how /v1/embeddings pools a text's hidden states (SamplingParams.pooling)
 
 
 class ClientGone(Exception):
@@ -102,9 +116,9 @@ class Serving:
             raise APIError(f"the prompt is {chars} characters: at least {chars // self.max_token_chars} tokens, more "
                            f"than the context window of {self.max_model_len}", param, code="context_length_exceeded")
 
-    def validate_prompt(self, ids: list[int], param: str) -> None:
+    def validate_prompt(self, ids: list[int], param: str, scoring: bool = False) -> None:
         try:
-            self.engine.engine.validate_prompt(ids)
+            self.engine.engine.validate_prompt(ids, scoring=scoring)
         except InvalidRequestError as e:
             raise APIError(str(e), param, code=e.code or "invalid_value") from None
 
@@ -307,28 +321,60 @@ class Serving:
         self.validate_prompt(ids, "prompt")
         return Prompt(req.prompt, ids)
 
-    async def completion_prompts(self, prompt, parse_special: bool = True, keep: int | None = None) -> list[Prompt]:
-        """The prompts' ids; with `keep`, each cut to its last `keep` tokens (its text then dropped)."""
+    async def completion_prompts(self, prompt, parse_special: bool = True, keep: int | None = None,
+                                 param: str = "prompt", scoring: bool = False) -> list[Prompt]:
+        """The prompts' ids; with `keep`, each cut to its last `keep` tokens (its text then dropped).
+        scoring: nothing is generated after them, so a prompt may fill the window."""
         if isinstance(prompt, str) or prompt and all(isinstance(t, int) for t in prompt):
             prompt = [prompt]
         if not prompt:
-            raise APIError("prompt must not be empty", "prompt")
+            raise APIError(f"{param} must not be empty", param)
         if len(prompt) > self.config.max_prompts:
             raise APIError(f"{len(prompt)} prompts is over this server's limit of {self.config.max_prompts}",
-                           "prompt")
+                           param)
         out = []
         for p in prompt:
             if isinstance(p, str):
                 if keep is None:
-                    self.check_prompt_chars(len(p), "prompt")
+                    self.check_prompt_chars(len(p), param)
                 out.append(Prompt(p, await self.encode(self.tokenizer.encode, p, parse_special=parse_special)))
             else:
                 out.append(Prompt(None, list(p)))
             ids, cut = keep_last(out[-1].ids, keep)
             if cut:
                 out[-1] = Prompt(None, ids, cut)
-            self.validate_prompt(out[-1].ids, "prompt")
+            self.validate_prompt(out[-1].ids, param, scoring)
         return out
+
+    # --- /v1/embeddings ---------------------------------------------------------------
+    @property
+    def embedding_size(self) -> int:
+        return self.engine.engine.model_config.hidden_size
+
+    async def embed(self, request, inputs, keep: int | None = None, param: str = "input",
+                    pooling: str | None = None) -> tuple[list[list[float]], int]:
+        """Each input's L2-normalised pooled vector, and the prompt tokens they took: one
+        prefill-only request per input through the engine's scheduler, batched with whatever
+        else runs (a vector is the same in any batch)."""
+        prompts = await self.completion_prompts(inputs, keep=keep, param=param, scoring=True)
+        params = SamplingParams(max_tokens=0, temperature=0, pooling=pooling or self.config.embedding_pooling)
+        finals = await self.collect(request, prompts, params, f"embd-{uuid.uuid4().hex}")
+        return [out.embedding for out in finals], sum(len(p.ids) for p in prompts)
+
+    async def embeddings(self, req: EmbeddingRequest, request) -> Reply:
+        self.check_model(req.model)
+        check_fields(req, "/v1/embeddings")
+        if req.dimensions is not None and req.dimensions != self.embedding_size:
+            raise APIError(f"dimensions={req.dimensions}: this model's embeddings have {self.embedding_size} "
+                           "dimensions and cannot be shortened", "dimensions", code="unsupported_value")
+        vectors, tokens = await self.embed(request, req.input, prompt_keep(req.truncate_prompt_tokens,
+                                                                             self.max_model_len, 0))
+        data = [{"object": "embedding", "index": i,
+                 "embedding": v if req.encoding_format == "float" else
+                 base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode()}
+                for i, v in enumerate(vectors)]
+        return Reply({"object": "list", "data": data, "model": self.config.model_name,
+                      "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
     async def stream_completions(self, req: CompletionRequest, prompts: list[Prompt], params: SamplingParams,
                                  rid: str, created: int) -> AsyncIterator[str]:

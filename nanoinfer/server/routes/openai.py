@@ -1,4 +1,4 @@
-"""OpenAI's API: /v1/completions, /v1/chat/completions (both generate), /v1/models."""
+"""OpenAI's API: /v1/completions, /v1/chat/completions (both generate), /v1/embeddings, /v1/models."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ import json
 from fastapi import Request
 from fastapi.responses import Response
 
-from ..protocol import ChatCompletionRequest, CompletionRequest
+from ..protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from ..serving import ClientGone, Serving
 from ..state import server_state
 from ..wire import parse_body, respond
@@ -48,12 +48,23 @@ async def chat_completions(request: Request) -> Response:
     return await _generate(request, ChatCompletionRequest, Serving.chat)
 
 
+async def embeddings(request: Request) -> Response:
+    return await _generate(request, EmbeddingRequest, Serving.embeddings)
+
+
+def embedding_input(req: dict) -> str:
+    inputs = req.get("input")
+    return inputs if isinstance(inputs, str) else json.dumps(inputs)
+
+
 def model_card(request: Request) -> dict:
     s = server_state(request)
     return {"id": s.config.model_name, "object": "model", "created": s.started, "owned_by": "nanoinfer",
             "max_model_len": s.serving.max_model_len,
             # native: the chat template lists tools; injected: the server writes them into the prompt
-            "tool_calling": "native" if s.serving.tokenizer.native_tools else "injected"}
+            "tool_calling": "native" if s.serving.tokenizer.native_tools else "injected",
+            # /v1/embeddings: the served model's pooled, L2-normalised hidden states
+            "embeddings": {"dimensions": s.serving.embedding_size, "pooling": s.config.embedding_pooling}}
 
 
 async def models(request: Request) -> dict:
@@ -68,6 +79,7 @@ async def model(model_id: str, request: Request) -> dict:
 ROUTES = (
     Route("POST", "/v1/completions", completions, prompt=completion_prompt),
     Route("POST", "/v1/chat/completions", chat_completions, prompt=chat_prompt),
+    Route("POST", "/v1/embeddings", embeddings, prompt=embedding_input),
     Route("GET", "/v1/models", models),
     Route("GET", "/v1/models/{model_id:path}", model),
 )
