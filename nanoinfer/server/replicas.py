@@ -13,6 +13,8 @@ application behind one OpenAI-compatible endpoint.
   holds them), unless that replica has more than BUSY_SLACK requests in flight beyond the
   least busy one; otherwise, for new prefixes and for routes that do not generate, to the
   least busy (round-robin among equals). `--routing round-robin` turns this off, for comparison.
+  A request that refers to state one replica holds (Route.affinity: a `previous_response_id`,
+  which names the replica that stored the response) goes to that replica while it is alive.
 - /metrics: every replica's metrics with a `replica` label, and the router's own counts.
 - A replica that dies fails its in-flight requests (a 503 before the response started, an
   error event in a stream) and gets no new ones for DEAD_BACKOFF_S, while Ray Serve
@@ -81,7 +83,7 @@ class EngineReplica:
         engine = {**settings.engine, "kv_memory_share": 1 / settings.replicas}
         self.llm = LLM(settings.model, dtype=settings.dtype, max_model_len=settings.max_model_len,
                        speculative_config=settings.speculative_config, **engine)
-        self.app = create_app(self.llm.engine, ServerConfig(**settings.server), settings.routes)
+        self.app = create_app(self.llm.engine, ServerConfig(**settings.server, replica_index=index), settings.routes)
         self.app.state.server.async_engine.start()
 
     async def forward(self, method: str, path: str, query: str, headers: list[tuple[str, str]],
@@ -133,17 +135,32 @@ class EngineReplica:
 
 
 # --- routing --------------------------------------------------------------------------------
+def _json_object(body: bytes) -> dict | None:
+    try:
+        req = json.loads(body or b"{}")
+    except ValueError:
+        return None
+    return req if isinstance(req, dict) else None
+
+
 def routing_text(routes: Sequence[Route], method: str, path: str, body: bytes) -> str:
     """The text whose prefix decides the replica: the prompt, as a generating route declares it
     (Route.prompt); "" (the least busy replica) for every other request."""
     route = find_route(routes, method, path)
     if route is None or route.prompt is None:
         return ""
-    try:
-        req = json.loads(body or b"{}")
-    except ValueError:
-        return ""
-    return route.prompt(req) if isinstance(req, dict) else ""
+    req = _json_object(body)
+    return route.prompt(req) if req is not None else ""
+
+
+def pinned_replica(routes: Sequence[Route], method: str, path: str, body: bytes) -> int | None:
+    """The replica a request must reach, as its route declares it (Route.affinity: the one that
+    stored the response a request continues), or None."""
+    route = find_route(routes, method, path)
+    if route is None or route.affinity is None:
+        return None
+    req = _json_object(body)
+    return route.affinity(path, req) if req is not None else None
 
 
 @dataclass
@@ -197,8 +214,14 @@ class RouterState:
         now = time.monotonic()
         return {i for i in range(self.replicas) if self.dead_until[i] <= now}
 
-    def choose(self, text: str) -> int:
+    def choose(self, text: str, pinned: int | None = None) -> int:
+        """The replica for a request whose prompt is `text`: `pinned` (Route.affinity) if it is
+        alive, else by prefix and load. A pinned replica that is dead (or unknown) gets no request:
+        the replica chosen instead answers that it holds nothing of the kind."""
         alive = self.alive() or set(range(self.replicas))
+        if pinned is not None and pinned in alive:
+            self.routed[(pinned, "affinity")] += 1
+            return pinned
         chain = PrefixTable.chain(text)
         how = "round_robin"
         if self.policy == "round-robin":
@@ -263,7 +286,8 @@ class Router:
         body = await request.body()
         if path == "/metrics":
             return PlainTextResponse(await self._metrics(), media_type="text/plain; version=0.0.4", headers=cors)
-        i = self.state.choose(routing_text(self.routes, request.method, path, body))
+        i = self.state.choose(routing_text(self.routes, request.method, path, body),
+                              pinned_replica(self.routes, request.method, path, body))
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in ("host", "content-length")]
         gen = self.engines[i].options(stream=True).forward.remote(request.method, path, request.url.query, headers, body)
         self.state.in_flight[i] += 1

@@ -2,12 +2,13 @@
 `app.state.server`; a route gets it with `server_state(request)`."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
 from ..engine.async_engine import AsyncEngine
 from .metrics import ServerMetrics
+from .response_store import ResponseStore
 from .serving import ServerConfig, Serving
 
 
@@ -18,6 +19,7 @@ class ServerState:
     serving: Serving  # requests -> prompts and SamplingParams -> the engine -> OpenAI's responses
     metrics: ServerMetrics
     started: int  # seconds since the epoch: the model card's "created"
+    responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's (routes/responses.py)
 
 
 def server_state(request: Request) -> ServerState:

@@ -19,6 +19,11 @@ class Route:
     # body: behind `--replicas` the router sends requests whose texts share a prefix to the same
     # replica, where that prefix's KV blocks are cached. None: the route does not generate.
     prompt: Callable[[dict], str] | None = None
+    # A route whose request refers to state one replica holds (a stored response) declares how to
+    # read that replica's index from the request's path and JSON body: behind `--replicas` the
+    # router sends it there while that replica is alive. None (or the function returning None):
+    # any replica will do.
+    affinity: Callable[[str, dict], int | None] | None = None
 
     def matches(self, method: str, path: str) -> bool:
         return method == self.method and _pattern(self.path).match(path) is not None
