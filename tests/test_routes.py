@@ -85,7 +85,9 @@ def send(router: Router, path: str, body: dict) -> int:
 
 def test_the_declared_routes_that_generate():
     assert {r.path for r in ROUTES if r.prompt is not None} == {"/v1/completions", "/v1/chat/completions",
-                                                                 "/v1/messages", "/completion", "/infill"}
+                                                                 "/v1/messages", "/completion", "/infill",
+                                                                 "/api/chat", "/api/generate", "/v1/responses",
+                                                                 "/v1/embeddings", "/api/embed", "/api/embeddings"}
 
 
 def test_a_toy_generating_route_is_routed_by_its_prompt_prefix():
