@@ -35,6 +35,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -81,24 +82,32 @@ def _compile(compiler: str, out: Path, sources: list[Path]) -> str | None:
     Compiled with -ffast-math, linked without it: a shared object linked with -ffast-math
     carries crtfastmath, which sets flush-to-zero for the whole process when loaded, and
     then Python itself reads 1e-310 as 0.0 and torch flushes every subnormal."""
-    err = ""
+    err: str | None = ""
     with tempfile.TemporaryDirectory(dir=out.parent) as build:
         for extra in (["-fopenmp"], []):
             objects = [str(Path(build) / f"{src.stem}.o") for src in sources]
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
             os.close(fd)
-            steps = [[compiler, *_flags(), *extra, "-c", str(src), "-o", obj] for src, obj in zip(sources, objects)]
-            steps.append([compiler, "-shared", *extra, *objects, "-o", tmp])
-            for cmd in steps:
-                proc = subprocess.run(cmd, capture_output=True, text=True)
-                if proc.returncode != 0:
-                    err = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
-                    break
-            else:
+            # the sources compile at once, one per core (the first build is most of a fresh set-up)
+            with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+                errors = list(pool.map(_run, [[compiler, *_flags(), *extra, "-c", str(src), "-o", obj]
+                                              for src, obj in zip(sources, objects)]))
+            err = next((e for e in errors if e is not None), None)
+            if err is None:
+                err = _run([compiler, "-shared", *extra, *objects, "-o", tmp])
+            if err is None:
                 os.replace(tmp, out)
                 return None
             os.unlink(tmp)
     return err
+
+
+def _run(cmd: list[str]) -> str | None:
+    """A compiler command; its last error line, or None when it succeeded."""
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode == 0:
+        return None
+    return proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
 
 
 def find_compiler() -> str | None:

@@ -14,9 +14,10 @@ import base64
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -44,6 +45,7 @@ from .tool_calls import ToolCallParser, parse_tool_calls
 
 logger = logging.getLogger("nanoinfer.server")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default; chat's default is "until the context is full"
+T = TypeVar("T")
 LONG_TEXT = 20_000  # characters: tokenize in a thread past this, so the event loop stays responsive
 
 
@@ -233,16 +235,7 @@ class Serving:
                     if isinstance(item, RequestOutput):
                         finals[i] = item
 
-        task = asyncio.create_task(gather())
-        watch = asyncio.create_task(wait_for_disconnect(request))
-        try:
-            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if not task.done():
-                raise ClientGone()
-            task.result()
-        finally:
-            task.cancel()
-            watch.cancel()
+        await unless_gone(request, gather())
         return finals  # type: ignore[return-value]
 
     # --- /v1/completions --------------------------------------------------------------
@@ -612,6 +605,21 @@ def template_input(tokenizer: TokenizerLike, messages: list[dict], tools: list[d
 
 def _chat_chars(messages: list) -> int:
     return sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str))
+
+
+async def unless_gone(request, work: Coroutine[Any, Any, T]) -> T:
+    """work's result, or ClientGone as soon as the client disconnects (work is then cancelled,
+    which aborts the engine requests it waits on)."""
+    task = asyncio.create_task(work)
+    watch = asyncio.create_task(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            raise ClientGone()
+        return task.result()
+    finally:
+        task.cancel()
+        watch.cancel()
 
 
 async def wait_for_disconnect(request) -> None:

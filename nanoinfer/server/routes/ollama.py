@@ -39,7 +39,6 @@ What is honoured, ignored or refused:
 """
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import time
@@ -61,7 +60,7 @@ from ...tokenizer.fim import fim_tokens
 from ..outputs import sse_bodies
 from ..protocol import APIError, ChatCompletionRequest, CompletionRequest, MessageToolCall, Strict, ToolDef, check_fields
 from ..protocol import Request as Body
-from ..serving import ClientGone, Reply, wait_for_disconnect
+from ..serving import ClientGone, Reply, unless_gone
 from ..state import ServerState, server_state
 from ..wire import parse_body, respond
 from .base import Route
@@ -372,16 +371,7 @@ async def _whole(pieces: AsyncIterator[Piece], request: Request) -> Piece:
                 whole.tool_calls += p.tool_calls
                 whole.closing = p.closing or whole.closing
 
-    task = asyncio.create_task(fold())
-    watch = asyncio.create_task(wait_for_disconnect(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done():
-            raise ClientGone()
-        task.result()
-    finally:
-        task.cancel()
-        watch.cancel()
+    await unless_gone(request, fold())
     whole.text = "".join(texts)
     return whole
 
