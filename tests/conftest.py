@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import emulated_build
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -171,6 +173,15 @@ def long_reply_model(make_hf_model, tmp_path_factory) -> Path:
     weights["lm_head.weight"][config["eos_token_id"]] = 0
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     return path
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    if any(item.name == "test_avx512_path_through_simde" for item in items):
+        emulated_build.start()  # a minute of compiling, beside the tests that run first
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    emulated_build.stop()
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
+import emulated_build
 from nanoinfer.kernels import cpu_kernels, quant
 from nanoinfer.tensors import QuantizedTensor
 
@@ -351,8 +352,6 @@ def test_parameters_and_default_dtype():
     assert y.dtype == torch.float32 and torch.equal(y, want)
 
 
-SIMDE_AVX512 = Path("/usr/include/simde/x86/avx512.h")
-
 
 def test_avx512_path_through_simde():
     """On a CPU without AVX-512 the AVX-512 path still runs, built against SIMDe's portable
@@ -364,14 +363,13 @@ def test_avx512_path_through_simde():
 
     if "avx512" in quant.paths():
         pytest.skip("this CPU runs the AVX-512 path natively: the tests above cover it")
-    if not SIMDE_AVX512.exists():
+    if not emulated_build.SIMDE_AVX512.exists():
         pytest.skip("SIMDe's headers are missing (Debian: libsimde-dev; `make test` installs them as root)")
-    root = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, NANOINFER_CXXFLAGS="-DQG_EMULATE_AVX512")
+    emulated_build.wait()  # (started when the session was collected: conftest.py)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "(avx512 or paths_agree) and not simde",
          "tests/test_quant_kernels.py", "tests/test_decoder_stack.py", "tests/test_quant_path.py"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=900)
+        cwd=emulated_build.ROOT, env=emulated_build.env(), capture_output=True, text=True, timeout=900)
     tail = proc.stdout[-3000:]
     assert proc.returncode == 0, tail
     assert " skipped" not in tail.splitlines()[-1], tail  # every selected test ran on the emulated path

@@ -1,0 +1,50 @@
+"""The AVX-512 kernels built against SIMDe's portable intrinsics (test_quant_kernels.py's
+test_avx512_path_through_simde), started in the background as soon as the session knows it
+will run that test: the build is a minute of one compiler process, which the suite's mostly
+single-threaded tests leave a core for. The test waits for it, then finds it in the kernel
+cache (keyed by the flags)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SIMDE_AVX512 = Path("/usr/include/simde/x86/avx512.h")
+FLAGS = "-DQG_EMULATE_AVX512"
+ROOT = Path(__file__).resolve().parent.parent
+_build: subprocess.Popen | None = None
+
+
+def env() -> dict[str, str]:
+    return dict(os.environ, NANOINFER_CXXFLAGS=FLAGS)
+
+
+def native() -> bool:
+    """The CPU runs the AVX-512 path itself (F, BW, VL, VNNI): nothing to emulate."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return False
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags
+
+
+def start() -> None:
+    global _build
+    if _build is None and SIMDE_AVX512.exists() and not native():
+        _build = subprocess.Popen([sys.executable, "-c", "from nanoinfer.kernels import cpu_kernels; cpu_kernels.library()"],
+                                  cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def wait() -> None:
+    """The build finished (started here if it was not); its errors, if any, show when the tests load it."""
+    start()
+    if _build is not None:
+        _build.communicate(timeout=900)
+
+
+def stop() -> None:
+    """At the session's end: a build nobody waited for (the test deselected or the run stopped) ends too."""
+    if _build is not None and _build.poll() is None:
+        _build.kill()
+        _build.wait()
