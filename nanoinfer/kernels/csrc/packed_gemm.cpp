@@ -119,9 +119,10 @@ void narrow_panel(const float* x, int64_t M, int64_t K, const float* panel, int6
 
 }  // namespace
 
-// The body every thread of a team runs (team.h); the C entry point below starts the team.
-void nanoinfer::linear_packed_f32_team(const float* x, const float* packed, const float* bias, float* y, int64_t ldy,
-                                       int64_t M, int64_t K, int64_t N) {
+// The body every thread of a team runs (team.h); the C entry point below starts the team. Not
+// inlined there (-ffast-math may compile an inlined copy differently): both callers run this one.
+__attribute__((noinline)) void nanoinfer::linear_packed_f32_team(const float* x, const float* packed, const float* bias,
+                                                                 float* y, int64_t ldy, int64_t M, int64_t K, int64_t N) {
     const int64_t full = N / NR, panels = (N + NR - 1) / NR;
     for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
         const int64_t rows = M - m0 < ROW_CHUNK ? M - m0 : ROW_CHUNK;
