@@ -152,10 +152,34 @@ def test_stack_follows_a_new_cache(ggufs):
 
 
 def test_the_modules_run_where_the_stack_cannot(ggufs):
-    """fp32 weights (no block format) keep the module path."""
-    llm = LLM(ggufs["llama"], dtype="float32")
+    """bf16 weights (neither in GGUF blocks nor packed fp32) keep the module path."""
+    llm = LLM(ggufs["llama"], dtype="bfloat16")
     run(llm, True)
     assert llm.loaded.model.__dict__["_decoder_stack"][1] is None
+
+
+@pytest.mark.parametrize("kind", ["llama_f32", "qwen3moe_f32"])
+def test_stack_on_fp32_weights(make_hf_model, tiny_tokenizer_dir, tmp_path, kind, quant_path):
+    """fp32 linears run in the stack on the packed GEMM their PackedLinear modules call: a dense
+    model loaded in float32, and an F32 file as stored (its attention packed fp32, its experts
+    the F32 record's), both over their fp32 cache. The same bits as the modules, and each
+    prompt's tokens and logprobs alone are those it has in the batch."""
+    if cpu_stack_unavailable():
+        pytest.skip("no compiled kernels")
+    family = kind.removesuffix("_f32")
+    path = write_gguf_from_hf(make_hf_model(family)[0], tiny_tokenizer_dir, tmp_path / f"{kind}.gguf", "F32")
+    llm = LLM(path, dtype="float32" if family == "llama" else "auto", max_num_batched_tokens=32)
+    if family == "qwen3moe":
+        assert llm.loaded.info["tensor_formats"].get("F32")  # the experts as stored
+    assert llm.engine.cache.k.dtype == torch.float32
+    with_stack = run(llm, True)
+    assert llm.loaded.model.__dict__["_decoder_stack"][1] is not None, "the stack did not run"
+    assert run(llm, False) == with_stack
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=4)
+    llm.loaded.model.use_decoder_stack = True
+    for prompt, expected in zip(prompts(), with_stack, strict=True):
+        out = llm.generate([prompt], params)[0].outputs[0]
+        assert (out.token_ids, [{k: v.logprob for k, v in d.items()} for d in out.logprobs]) == expected
 
 
 def cpu_stack_unavailable() -> bool:

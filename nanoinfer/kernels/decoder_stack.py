@@ -1,5 +1,6 @@
 """A Llama-family decoder stack run as one compiled call (csrc/decoder_stack.cpp): every
-layer's norms, projections (weights in their GGUF blocks), rotary, KV-cache writes and paged
+layer's norms, projections (weights in their GGUF blocks, or fp32 in the packed GEMM's
+panels: csrc/packed_gemm.cpp), rotary, KV-cache writes and paged
 attention, in one OpenMP region. Each step is the same C++ function the layer modules call,
 so the result is bit for bit theirs; what goes is the per-op cost of Python, tensor
 allocation and starting threads, which at batch-1 decode was as large as the arithmetic.
@@ -48,9 +49,16 @@ class _Step(ctypes.Structure):
                 ("sin_local", _p)]
 
 
+# LinearWeights' type of an fp32 weight in the packed GEMM's panels (cpu_kernels.pack_f32, as an
+# fp32 model's PackedLinear holds it): csrc/decoder_stack.cpp's kPackedF32, below every GGML id.
+PACKED_F32 = -1
+
+
 @dataclass
 class LinearWeights:
-    parts: list[tuple[int, torch.Tensor, bool]]  # (GGML type, uint8 [n, row_bytes], repacked) side by side in the output
+    # (GGML type, uint8 [n, row_bytes], repacked) side by side in the output, or one
+    # (PACKED_F32, fp32 [n, K] packed, False)
+    parts: list[tuple[int, torch.Tensor, bool]]
     bias: torch.Tensor | None = None
 
 
@@ -85,8 +93,9 @@ class LayerWeights:
 
 
 def supported(layers: list[LayerWeights]) -> bool:
-    """Whether the compiled stack can run these layers (every linear a kernel type, or the
-    routed experts' compiled layer in place of the MLP; fp32 norms, an fp32, bf16 or q8_0 cache)."""
+    """Whether the compiled stack can run these layers (every linear a kernel type or packed
+    fp32, or the routed experts' compiled layer in place of the MLP; fp32 norms, an fp32, bf16
+    or q8_0 cache)."""
     if cpu_kernels.library() is None:
         return False
     for lw in layers:
@@ -103,11 +112,17 @@ def supported(layers: list[LayerWeights]) -> bool:
         if lw.moe is not None and (lw.gate_up.parts or lw.down.parts):
             return False
         for lin in (lw.qkv, lw.o) if lw.moe is not None else (lw.qkv, lw.o, lw.gate_up, lw.down):
-            if not 1 <= len(lin.parts) <= _MAX_PARTS or any(not quant.supported(q) for q, _, _ in lin.parts):
+            if not 1 <= len(lin.parts) <= _MAX_PARTS or not all(_part_supported(*p) for p in lin.parts):
                 return False
             if lin.bias is not None and (lin.bias.dtype != torch.float32 or not lin.bias.is_contiguous()):
                 return False
     return True
+
+
+def _part_supported(qtype: int, w: torch.Tensor, repacked: bool) -> bool:
+    if qtype == PACKED_F32:
+        return w.dtype == torch.float32 and w.dim() == 2 and w.is_contiguous() and not repacked
+    return quant.supported(qtype) and w.dtype == torch.uint8
 
 
 def _linear(lin: LinearWeights) -> _Linear:

@@ -4,24 +4,30 @@ entry says `decoder_stack` (the builder sets `use_decoder_stack` from it), layer
 features (LlamaForCausalLM.layer_features) are all in STACK_FEATURES (an allow-list: what
 the stack computes; a feature it does not name, such as OLMo 2's norms over all heads or a
 family's own layer class, keeps the modules, so none is computed silently wrong), every
-projection in GGUF blocks with a kernel, an attention backend that declares `fused_stack`
-(an allow-list: the CPU paged-attention backend, whose kernel and metadata the stack
-shares), fp32 activations.
+projection in GGUF blocks with a kernel or fp32 in the packed GEMM's panels (an fp32 model,
+an F32 file: the same GEMM the modules' PackedLinear calls, so the same bits), an attention
+backend that declares `fused_stack` (an allow-list: the CPU paged-attention backend, whose
+kernel and metadata the stack shares), fp32 activations.
 Otherwise the modules run one by one, computing the same bits.
 
 One stack per KV cache: it holds the cache's per-layer tensors."""
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ..attention import AttentionBackend
 from ..kernels import decoder_stack
-from ..kernels.decoder_stack import ROPE_GLOBAL, ROPE_LOCAL, ROPE_NONE, DecoderStack, LayerWeights, LinearWeights
+from ..kernels.cpu_linear import PackedLinear
+from ..kernels.decoder_stack import PACKED_F32, ROPE_GLOBAL, ROPE_LOCAL, ROPE_NONE, DecoderStack, LayerWeights, LinearWeights
 from ..kernels.quant_linear import QuantLinear
 from .batch import ForwardBatch
 
 
 def _linear(module: nn.Module) -> LinearWeights | None:
+    if isinstance(module, PackedLinear):  # fp32 weights (an fp32 model's, an F32 file's) in the packed GEMM's panels
+        w = module.packed()
+        return LinearWeights([(PACKED_F32, w, False)], module.bias) if w.dtype == torch.float32 else None
     if not isinstance(module, QuantLinear):
         return None
     return LinearWeights([(p.qtype, getattr(module, f"part{i}"), p.repacked) for i, p in enumerate(module.parts)],

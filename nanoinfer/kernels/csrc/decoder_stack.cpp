@@ -4,7 +4,8 @@
 // model has them (per head, or over all heads), rotary, k and v written to their cache slots,
 // paged attention, the output projection, RMSNorm, gate/up, the gated activation, down (or the
 // routed experts: routed_experts.cpp); sandwich norms (Gemma) and post-norm layers (OLMo 2) move
-// the norms. Weights in their GGUF blocks (quant_gemm.cpp).
+// the norms. Weights in their GGUF blocks (quant_gemm.cpp), or fp32 in the packed GEMM's panels
+// (packed_gemm.cpp: an fp32 model's, an F32 file's).
 //
 // Why: at batch-1 decode a layer is a dozen small operations, and calling each from Python
 // (module call, tensor allocation, ctypes, an OpenMP team started per op) cost more than the
@@ -31,9 +32,12 @@
 namespace {
 
 constexpr int kMaxParts = 3;
+// StackPart.qtype of an fp32 weight in the packed GEMM's panels (packed_gemm.cpp), as the
+// fp32 model's PackedLinear holds it: not a GGML type, so below every GGML id.
+constexpr int64_t kPackedF32 = -1;
 
 struct StackPart {
-    int64_t qtype;
+    int64_t qtype;     // GGML's type id, or kPackedF32
     const uint8_t* w;
     int64_t n;         // output columns (rows of W)
     int64_t repacked;  // w in the type's repacked layout (quant/packed.h)
@@ -93,10 +97,17 @@ int linear(const StackLinear& l, const float* x, int64_t T, int64_t K, float* y,
     int64_t off = 0;
     for (int64_t p = 0; p < l.nparts; p++) {
         const StackPart& part = l.part[p];
-        const bool quantise = p == 0 || !nanoinfer::same_acts(int(l.part[p - 1].qtype), int(part.qtype));
-        const int rc = nanoinfer::quant_linear_team(int(part.qtype), int(path), x, T, K, part.w, part.n, part.repacked != 0,
-                                                    l.bias ? l.bias + off : nullptr, y + off, ldy, acts, quantise);
-        if (rc) return rc;
+        const float* bias = l.bias ? l.bias + off : nullptr;
+        if (part.qtype == kPackedF32) {
+            nanoinfer::linear_packed_f32_team(x, reinterpret_cast<const float*>(part.w), bias, y + off, ldy, T, K,
+                                              part.n);
+        } else {
+            const int64_t prev = p == 0 ? kPackedF32 : l.part[p - 1].qtype;
+            const bool quantise = prev == kPackedF32 || !nanoinfer::same_acts(int(prev), int(part.qtype));
+            const int rc = nanoinfer::quant_linear_team(int(part.qtype), int(path), x, T, K, part.w, part.n,
+                                                        part.repacked != 0, bias, y + off, ldy, acts, quantise);
+            if (rc) return rc;
+        }
         off += part.n;
     }
     return 0;
@@ -104,7 +115,9 @@ int linear(const StackLinear& l, const float* x, int64_t T, int64_t K, float* y,
 
 int64_t acts_bytes(const StackLinear& l, int64_t T, int64_t K) {
     int64_t most = 0;
-    for (int64_t p = 0; p < l.nparts; p++) most = std::max(most, nanoinfer::quant_acts_bytes(int(l.part[p].qtype), T, K));
+    for (int64_t p = 0; p < l.nparts; p++)
+        if (l.part[p].qtype != kPackedF32)
+            most = std::max(most, nanoinfer::quant_acts_bytes(int(l.part[p].qtype), T, K));
     return most;
 }
 

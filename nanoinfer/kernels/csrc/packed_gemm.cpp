@@ -15,10 +15,12 @@
 // Every output is one fused multiply-add chain over k in order, whatever the number of rows
 // and whichever tile a row falls in: a row's result does not depend on the batch around it.
 //
-// Layouts (contiguous, row-major): x [M, K], y [M, N], bias [N] or null.
+// Layouts (contiguous, row-major): x [M, K], y [M, N] (rows ldy apart in the team body), bias [N] or null.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+
+#include "team.h"
 #if defined(__SSE__)
 #include <xmmintrin.h>
 #endif
@@ -117,10 +119,11 @@ void narrow_panel(const float* x, int64_t M, int64_t K, const float* panel, int6
 
 }  // namespace
 
-extern "C" void linear_packed_f32(const float* x, const float* packed, const float* bias, float* y, int64_t M,
-                                  int64_t K, int64_t N) {
+// The body every thread of a team runs (team.h); the C entry point below starts the team. Not
+// inlined there (-ffast-math may compile an inlined copy differently): both callers run this one.
+__attribute__((noinline)) void nanoinfer::linear_packed_f32_team(const float* x, const float* packed, const float* bias,
+                                                                 float* y, int64_t ldy, int64_t M, int64_t K, int64_t N) {
     const int64_t full = N / NR, panels = (N + NR - 1) / NR;
-#pragma omp parallel
     for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
         const int64_t rows = M - m0 < ROW_CHUNK ? M - m0 : ROW_CHUNK;
         // Static: each thread walks a run of consecutive panels, so the next one is its own.
@@ -129,10 +132,16 @@ extern "C" void linear_packed_f32(const float* x, const float* packed, const flo
             const float* panel = packed + p * K * NR;
             const float* b = bias ? bias + p * NR : nullptr;
             if (p < full)
-                full_panel(x + m0 * K, rows, K, panel, b, y + m0 * N + p * NR, N,
+                full_panel(x + m0 * K, rows, K, panel, b, y + m0 * ldy + p * NR, ldy,
                            p + 1 < full ? panel + K * NR : nullptr);
             else
-                narrow_panel(x + m0 * K, rows, K, panel, N - p * NR, b, y + m0 * N + p * NR, N);
+                narrow_panel(x + m0 * K, rows, K, panel, N - p * NR, b, y + m0 * ldy + p * NR, ldy);
         }
     }
+}
+
+extern "C" void linear_packed_f32(const float* x, const float* packed, const float* bias, float* y, int64_t M,
+                                  int64_t K, int64_t N) {
+#pragma omp parallel
+    nanoinfer::linear_packed_f32_team(x, packed, bias, y, N, M, K, N);
 }

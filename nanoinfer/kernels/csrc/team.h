@@ -28,6 +28,13 @@ int quant_linear_grouped_team(int qtype, int path, const float* x, int64_t K, co
 // The same activation quantisation for weights of types a and b.
 bool same_acts(int a, int b);
 
+// ---- packed_gemm.cpp -------------------------------------------------------------------
+
+// y [M, N] (row stride ldy) = x [M, K] w^T (+ bias [N]) for w [N, K] fp32 in pack_f32's
+// panels (cpu_kernels.py): an fp32 model's linears, an F32 file's attention and MLP.
+void linear_packed_f32_team(const float* x, const float* packed, const float* bias, float* y, int64_t ldy, int64_t M,
+                            int64_t K, int64_t N);
+
 // ---- routed_experts.cpp ----------------------------------------------------------------
 
 // The layer as the kernels see it; kernels/routed_experts.py fills it (ctypes), the decoder
