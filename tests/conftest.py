@@ -190,6 +190,15 @@ def default_gguf() -> Path:
     return default_model_path()
 
 
+@pytest.fixture(scope="module")
+def default_server(default_gguf):
+    """The default model served in a real subprocess, once per test module (the API surfaces' tests)."""
+    from server_utils import start_server
+    s = start_server(["--model", str(default_gguf), "--kv-cache-memory", "48M", "--log-level", "warning"])
+    yield s
+    s.stop()
+
+
 @pytest.fixture(scope="session")
 def hf_default(default_gguf):
     """transformers' own reading of the default GGUF (dequantised, float32) and its tokenizer:

@@ -16,10 +16,8 @@ FIM = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
 
 
 @pytest.fixture(scope="module")
-def server(default_gguf):
-    s = start_server(["--model", str(default_gguf), "--kv-cache-memory", "32M", "--log-level", "warning"])
-    yield s
-    s.stop()
+def server(default_server):
+    return default_server
 
 
 @pytest.fixture(scope="module")

@@ -17,17 +17,15 @@ import nanoinfer
 from nanoinfer.server.outputs import sse
 from nanoinfer.server.routes import ollama as routes
 
-from server_utils import run_server, scripted_server_command, start_server
+from server_utils import run_server, scripted_server_command
 
 GREEDY = {"temperature": 0, "num_predict": 12}
 ASK = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def server(default_gguf):
-    s = start_server(["--model", str(default_gguf), "--kv-cache-memory", "48M", "--log-level", "warning"])
-    yield s
-    s.stop()
+def server(default_server):
+    return default_server
 
 
 @pytest.fixture(scope="module")

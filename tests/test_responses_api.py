@@ -16,7 +16,7 @@ from nanoinfer.server.replicas import RouterState, pinned_replica, routing_text
 from nanoinfer.server.response_store import ResponseStore, StoredResponse
 from nanoinfer.server.routes import ROUTES
 
-from server_utils import run_server, scripted_server_command, start_server
+from server_utils import run_server, scripted_server_command
 
 SYSTEM = "You are a helpful assistant. Answer briefly."
 QUESTION = "What is the capital of France?"
@@ -24,10 +24,8 @@ GREEDY = {"temperature": 0, "max_output_tokens": 12}
 
 
 @pytest.fixture(scope="module")
-def server(default_gguf):
-    s = start_server(["--model", str(default_gguf), "--kv-cache-memory", "48M", "--log-level", "warning"])
-    yield s
-    s.stop()
+def server(default_server):
+    return default_server
 
 
 @pytest.fixture(scope="module")

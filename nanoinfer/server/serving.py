@@ -345,10 +345,13 @@ class Serving:
         return self.engine.engine.model_config.hidden_size
 
     async def embed(self, request, inputs, keep: int | None = None, param: str = "input",
-                    pooling: str | None = None) -> tuple[list[list[float]], int]:
+                    pooling: str | None = None, dimensions: int | None = None) -> tuple[list[list[float]], int]:
         """Each input's L2-normalised pooled vector, and the prompt tokens they took: one
         prefill-only request per input through the engine's scheduler, batched with whatever
-        else runs (a vector is the same in any batch)."""
+        else runs (a vector is the same in any batch). dimensions: only the model's own."""
+        if dimensions is not None and dimensions != self.embedding_size:
+            raise APIError(f"dimensions={dimensions}: this model's embeddings have {self.embedding_size} "
+                           "dimensions and cannot be shortened", "dimensions", code="unsupported_value")
         prompts = await self.completion_prompts(inputs, keep=keep, param=param, scoring=True)
         params = SamplingParams(max_tokens=0, temperature=0, pooling=pooling or self.config.embedding_pooling)
         finals = await self.collect(request, prompts, params, f"embd-{uuid.uuid4().hex}")
@@ -357,11 +360,9 @@ class Serving:
     async def embeddings(self, req: EmbeddingRequest, request) -> Reply:
         self.check_model(req.model)
         check_fields(req, "/v1/embeddings")
-        if req.dimensions is not None and req.dimensions != self.embedding_size:
-            raise APIError(f"dimensions={req.dimensions}: this model's embeddings have {self.embedding_size} "
-                           "dimensions and cannot be shortened", "dimensions", code="unsupported_value")
         vectors, tokens = await self.embed(request, req.input, prompt_keep(req.truncate_prompt_tokens,
-                                                                             self.max_model_len, 0))
+                                                                             self.max_model_len, 0),
+                                           dimensions=req.dimensions)
         data = [{"object": "embedding", "index": i,
                  "embedding": v if req.encoding_format == "float" else
                  base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode()}

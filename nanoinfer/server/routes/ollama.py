@@ -43,11 +43,11 @@ import hashlib
 import json
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from functools import lru_cache
+from functools import lru_cache, wraps
 from typing import Any, Literal
 
 from fastapi import Request
@@ -397,89 +397,84 @@ def _error(e: APIError) -> JSONResponse:
     return JSONResponse({"error": _message(e)}, status_code=e.status)
 
 
+def _answers_errors(endpoint: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    """An endpoint whose APIError becomes Ollama's {"error": ...} and whose client left first a 499."""
+    @wraps(endpoint)
+    async def answered(request: Request) -> Response:
+        try:
+            return await endpoint(request)
+        except APIError as e:
+            return _error(e)
+        except ClientGone:
+            return Response(status_code=499)
+    return answered
+
+
 def _loaded(model: str, shape: Shape) -> JSONResponse:
     """An empty request: Ollama's "load the model" answer (here it is always loaded)."""
     return JSONResponse(_line(model, shape, Piece(closing={"done": True, "done_reason": "load"})))
 
 
+@_answers_errors
 async def chat(request: Request) -> Response:
     start = time.perf_counter_ns()
     s = server_state(request)
-    try:
-        req = await parse_body(request, ChatBody, s.config.max_request_bytes)
-        model = _model(s, req.model)
-        _refuse_unsupported(req, "/api/chat")
-        if not req.messages:
-            return _loaded(req.model, _chat_shape)
-        reply = await s.serving.chat(_chat_request(req, model), request)
-        return await _answer(s, request, reply, req.model, _chat_shape, req.stream, start)
-    except APIError as e:
-        return _error(e)
-    except ClientGone:
-        return Response(status_code=499)
+    req = await parse_body(request, ChatBody, s.config.max_request_bytes)
+    model = _model(s, req.model)
+    _refuse_unsupported(req, "/api/chat")
+    if not req.messages:
+        return _loaded(req.model, _chat_shape)
+    reply = await s.serving.chat(_chat_request(req, model), request)
+    return await _answer(s, request, reply, req.model, _chat_shape, req.stream, start)
 
 
+@_answers_errors
 async def generate(request: Request) -> Response:
     start = time.perf_counter_ns()
     s = server_state(request)
-    try:
-        req = await parse_body(request, GenerateBody, s.config.max_request_bytes)
-        model = _model(s, req.model)
-        _refuse_unsupported(req, "/api/generate")
-        if not req.prompt and not req.suffix and not req.images:
-            return _loaded(req.model, _generate_shape)
-        creq = _generate_request(req, model)
-        if isinstance(creq, CompletionRequest):  # no num_predict: until the window is full, as on chat
-            reply = await s.serving.completions(creq, request, until_full=True)
-        else:
-            reply = await s.serving.chat(creq, request)
-        return await _answer(s, request, reply, req.model, _generate_shape, req.stream, start)
-    except APIError as e:
-        return _error(e)
-    except ClientGone:
-        return Response(status_code=499)
+    req = await parse_body(request, GenerateBody, s.config.max_request_bytes)
+    model = _model(s, req.model)
+    _refuse_unsupported(req, "/api/generate")
+    if not req.prompt and not req.suffix and not req.images:
+        return _loaded(req.model, _generate_shape)
+    creq = _generate_request(req, model)
+    if isinstance(creq, CompletionRequest):  # no num_predict: until the window is full, as on chat
+        reply = await s.serving.completions(creq, request, until_full=True)
+    else:
+        reply = await s.serving.chat(creq, request)
+    return await _answer(s, request, reply, req.model, _generate_shape, req.stream, start)
 
 
-async def _vectors(s: ServerState, request: Request, inputs: list[str], truncate: bool) -> tuple[list, int]:
+async def _vectors(s: ServerState, request: Request, inputs: list[str], truncate: bool,
+                   dimensions: int | None = None) -> tuple[list, int]:
     """Serving.embed's vectors; truncate: each text cut to the window's first tokens, as Ollama does."""
     if truncate:
         window = s.serving.max_model_len
         inputs = [(await s.serving.encode(s.serving.tokenizer.encode, t))[:window] for t in inputs]
-    return await s.serving.embed(request, inputs)
+    return await s.serving.embed(request, inputs, dimensions=dimensions)
 
 
+@_answers_errors
 async def embed(request: Request) -> Response:
     start = time.perf_counter_ns()
     s = server_state(request)
-    try:
-        req = await parse_body(request, EmbedBody, s.config.max_request_bytes)
-        _model(s, req.model)
-        check_fields(req, "/api/embed")
-        if req.dimensions is not None and req.dimensions != s.serving.embedding_size:
-            raise APIError(f"dimensions={req.dimensions}: this model's embeddings have {s.serving.embedding_size} "
-                           "dimensions and cannot be shortened", "dimensions")
-        vectors, tokens = await _vectors(s, request, [req.input] if isinstance(req.input, str) else req.input,
-                                         req.truncate)
-    except APIError as e:
-        return _error(e)
-    except ClientGone:
-        return Response(status_code=499)
+    req = await parse_body(request, EmbedBody, s.config.max_request_bytes)
+    _model(s, req.model)
+    check_fields(req, "/api/embed")
+    vectors, tokens = await _vectors(s, request, [req.input] if isinstance(req.input, str) else req.input,
+                                     req.truncate, req.dimensions)
     return JSONResponse({"model": req.model, "embeddings": vectors, "total_duration": time.perf_counter_ns() - start,
                          "load_duration": 0, "prompt_eval_count": tokens})
 
 
+@_answers_errors
 async def embeddings(request: Request) -> Response:
     """The older /api/embeddings: one prompt, one vector (here the same normalised one as /api/embed's)."""
     s = server_state(request)
-    try:
-        req = await parse_body(request, LegacyEmbedBody, s.config.max_request_bytes)
-        _model(s, req.model)
-        check_fields(req, "/api/embeddings")
-        vectors, _ = await _vectors(s, request, [req.prompt], truncate=True)
-    except APIError as e:
-        return _error(e)
-    except ClientGone:
-        return Response(status_code=499)
+    req = await parse_body(request, LegacyEmbedBody, s.config.max_request_bytes)
+    _model(s, req.model)
+    check_fields(req, "/api/embeddings")
+    vectors, _ = await _vectors(s, request, [req.prompt], truncate=True)
     return JSONResponse({"embedding": vectors[0]})
 
 
@@ -542,16 +537,14 @@ async def ps(request: Request) -> dict:
                         "context_length": s.serving.max_model_len}]}
 
 
+@_answers_errors
 async def show(request: Request) -> Response:
     s = server_state(request)
-    try:
-        req = await parse_body(request, ShowBody, s.config.max_request_bytes)
-        name = req.model or req.name
-        if not name:
-            raise APIError("model is required", "model")
-        _model(s, name)
-    except APIError as e:
-        return _error(e)
+    req = await parse_body(request, ShowBody, s.config.max_request_bytes)
+    name = req.model or req.name
+    if not name:
+        raise APIError("model is required", "model")
+    _model(s, name)
     card, f = _card(s), _facts(s.serving.engine.engine)
     mc, arch = s.serving.engine.engine.model_config, f.family
     tokenizer = s.serving.tokenizer
