@@ -31,10 +31,10 @@ class ToyMetadata:
     """FlashAttention's varlen layout: sequence i's queries are rows cu_seqlens_q[i] ..
     cu_seqlens_q[i + 1], its keys the first cu_seqlens_k[i + 1] - cu_seqlens_k[i] slots of
     its row of the page table."""
-    slot_mapping: torch.Tensor  # [T]
+    slot_mapping: list[torch.Tensor]  # per KV group, [T]
     cu_seqlens_q: torch.Tensor  # [S + 1]
     cu_seqlens_k: torch.Tensor  # [S + 1]
-    page_table: torch.Tensor  # [S, most blocks], padded with block 0
+    page_table: list[torch.Tensor]  # per KV group, [S, most blocks], padded with block 0
 
 
 class ToyAttention(AttentionBackend):
@@ -46,27 +46,29 @@ class ToyAttention(AttentionBackend):
         return device.type == "cpu"
 
     def prepare(self, batch: AttentionBatch) -> ToyMetadata:
-        device, bs = self.cache.k.device, self.cache.block_size
+        device, bs = self.cache.device, self.cache.block_size
         width = max(-(-n // bs) for n in batch.seq_lens)
         cu_k = [0]
         for n in batch.seq_lens:
             cu_k.append(cu_k[-1] + n)
-        return ToyMetadata(torch.tensor(batch.slot_mapping, device=device),
+        return ToyMetadata([torch.tensor(slots, device=device) for slots in batch.slot_mapping],
                            torch.tensor(batch.query_start_loc, device=device), torch.tensor(cu_k, device=device),
-                           torch.tensor([(t + [0] * width)[:width] for t in batch.block_tables], device=device))
+                           [torch.tensor([(t + [0] * width)[:width] for t in tables], device=device)
+                            for tables in batch.block_tables])
 
     def forward(self, layer, q, k, v, meta: ToyMetadata):
-        kc, vc = self.cache.k[layer], self.cache.v[layer]  # [blocks, block_size, Hkv, D]
+        kc, vc = self.cache.layer(layer)  # [blocks, block_size, Hkv, D] of the layer's KV group
+        g = self.cache.group_of(layer)
         H, D = kc.shape[2:]
-        kc.view(-1, H, D)[meta.slot_mapping] = k.to(kc.dtype)  # stored first: queries read the stored values
-        vc.view(-1, H, D)[meta.slot_mapping] = v.to(vc.dtype)
+        kc.view(-1, H, D)[meta.slot_mapping[g]] = k.to(kc.dtype)  # stored first: queries read the stored values
+        vc.view(-1, H, D)[meta.slot_mapping[g]] = v.to(vc.dtype)
         p = self.params[layer]
         out = torch.empty_like(q)
-        for i in range(len(meta.page_table)):
+        for i in range(len(meta.page_table[g])):
             q0, q1 = meta.cu_seqlens_q[i:i + 2].tolist()
             n = int(meta.cu_seqlens_k[i + 1] - meta.cu_seqlens_k[i])
-            keys = kc[meta.page_table[i]].reshape(-1, H, D)[:n].to(q.dtype)
-            vals = vc[meta.page_table[i]].reshape(-1, H, D)[:n].to(q.dtype)
+            keys = kc[meta.page_table[g][i]].reshape(-1, H, D)[:n].to(q.dtype)
+            vals = vc[meta.page_table[g][i]].reshape(-1, H, D)[:n].to(q.dtype)
             out[q0:q1] = sdpa(q[q0:q1], keys, vals, causal_mask(n - (q1 - q0), q1 - q0, p.window, q.device), p)
         return out
 

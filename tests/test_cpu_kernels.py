@@ -8,6 +8,7 @@ import torch
 
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.attention import AttentionParams, CpuPagedAttention, PagedKVCache, PagedMetadata, TorchPagedAttention
+from nanoinfer.attention.kv_cache import KVGroup
 from nanoinfer.kernels import cpu_kernels
 
 if shutil.which("c++") is None and shutil.which("g++") is None:
@@ -29,9 +30,10 @@ def random_batch(seed: int, dtype: torch.dtype, heads: int, kv_heads: int, head_
     own shuffled blocks), and two extra rows in the flat batch that are not decodes.
     Returns run(kernel) -> attention output of the PyTorch backend or the kernel's, and the rest."""
     g = torch.Generator().manual_seed(seed)
-    cache = PagedKVCache.allocate(1, num_blocks, block_size, kv_heads, head_dim, dtype, torch.device("cpu"))
-    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
-    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    cache = PagedKVCache.allocate([KVGroup(None, (0,))], [num_blocks], block_size, kv_heads, head_dim, dtype,
+                                  torch.device("cpu"))
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=g))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=g))
     width = max(-(-c // block_size) for c in ctx)
     order = torch.randperm(num_blocks, generator=g)
     tables = torch.zeros(len(ctx), width, dtype=torch.long)
@@ -55,7 +57,7 @@ def random_batch(seed: int, dtype: torch.dtype, heads: int, kv_heads: int, head_
 
     def run(kernel: bool) -> torch.Tensor:
         backend = (CpuPagedAttention if kernel else TorchPagedAttention)(params, cache)
-        return backend.forward(0, q, k, v, PagedMetadata(torch.tensor(slots), [], rows, tables, ctx_t, max(ctx)))
+        return backend.forward(0, q, k, v, PagedMetadata([torch.tensor(slots)], [], rows, [tables], ctx_t, max(ctx)))
     return run, (cache, tables, ctx_t, params[0]), q, k, v, rows
 
 
@@ -107,7 +109,7 @@ def test_kernel_leaves_other_rows_alone():
     """Rows that are not decodes (prefill rows, handled elsewhere) are not written."""
     _, (cache, tables, ctx, params), q, k, v, rows = random_batch(2, torch.float32, 9, 3, 64, 16, [20, 3], None)
     out = torch.full_like(q, 7.0)
-    cpu_kernels.paged_decode(q, out, rows, cache.k[0], cache.v[0], tables, ctx, 20, None, params.scale)
+    cpu_kernels.paged_decode(q, out, rows, *cache.layer(0), tables, ctx, 20, None, params.scale)
     assert torch.all(out[0] == 7.0) and torch.all(out[-1] == 7.0)
     assert not torch.any(out[rows] == 7.0)
 

@@ -114,7 +114,7 @@ def test_stack_with_mixed_k_quants_in_one_projection(make_hf_model, tiny_tokeniz
 def test_stack_over_an_fp32_cache(ggufs):
     """kv_cache_dtype="float32" on the block-format path (bf16 is its default): the same bits too."""
     llm = LLM(ggufs["qwen3"], dtype="auto", kv_cache_dtype="float32", max_num_batched_tokens=32)
-    assert llm.engine.cache.k.dtype == torch.float32
+    assert llm.engine.cache.dtype == torch.float32
     assert run(llm, True) == run(llm, False)
 
 
@@ -123,7 +123,7 @@ def test_stack_over_a_q8_0_cache(ggufs):
     if cpu_stack_unavailable():
         pytest.skip("no compiled kernels")
     llm = LLM(ggufs["qwen3"], dtype="auto", kv_cache_dtype="q8_0", max_num_batched_tokens=32)
-    assert llm.engine.cache.k.dtype == torch.uint8
+    assert llm.engine.cache.dtype == torch.uint8
     with_stack = run(llm, True)
     assert llm.loaded.model.__dict__["_decoder_stack"][1] is not None
     assert run(llm, False) == with_stack
@@ -132,9 +132,9 @@ def test_stack_over_a_q8_0_cache(ggufs):
 def test_kv_cache_dtype_rule(ggufs):
     from nanoinfer.errors import InvalidRequestError
 
-    assert LLM(ggufs["llama"], dtype="auto").engine.cache.k.dtype == torch.bfloat16  # weights in blocks
-    assert LLM(ggufs["llama"], dtype="float32").engine.cache.k.dtype == torch.float32  # the model's dtype
-    assert LLM(ggufs["llama"], dtype="bfloat16").engine.cache.k.dtype == torch.bfloat16
+    assert LLM(ggufs["llama"], dtype="auto").engine.cache.dtype == torch.bfloat16  # weights in blocks
+    assert LLM(ggufs["llama"], dtype="float32").engine.cache.dtype == torch.float32  # the model's dtype
+    assert LLM(ggufs["llama"], dtype="bfloat16").engine.cache.dtype == torch.bfloat16
     with pytest.raises(InvalidRequestError, match="kv_cache_dtype"):
         LLM(ggufs["llama"], dtype="auto", kv_cache_dtype="fp8")
 
@@ -171,7 +171,7 @@ def test_stack_on_fp32_weights(make_hf_model, tiny_tokenizer_dir, tmp_path, kind
     llm = LLM(path, dtype="float32" if family == "llama" else "auto", max_num_batched_tokens=32)
     if family == "qwen3moe":
         assert llm.loaded.info["tensor_formats"].get("F32")  # the experts as stored
-    assert llm.engine.cache.k.dtype == torch.float32
+    assert llm.engine.cache.dtype == torch.float32
     with_stack = run(llm, True)
     assert llm.loaded.model.__dict__["_decoder_stack"][1] is not None, "the stack did not run"
     assert run(llm, False) == with_stack

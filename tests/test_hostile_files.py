@@ -378,13 +378,13 @@ def test_default_model_runs_under_an_address_space_limit():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     # a window asked for that the limit leaves no room for: refused in one line naming the limit
-    from nanoinfer.engine.memory import MemoryBudget, plan_kv_pool
+    from nanoinfer.engine.memory import GroupCost, MemoryBudget, plan_kv_pool
     tight = MemoryBudget(available=20 << 30, cgroup=None, address_space=(1 << 30) + (128 << 20))
     with pytest.raises(InvalidRequestError, match=r"max_model_len=8192 does not fit: the KV pool holds \d+ tokens "
                                                   r"\(64 MiB, set by the address-space limit") as e:
-        plan_kv_pool(23_040, 16, 8192, 8192, None, 64, tight)
+        plan_kv_pool([GroupCost(23_040)], 16, 8192, 8192, None, 64, tight)
     assert "\n" not in str(e.value)
-    clamped = plan_kv_pool(23_040, 16, 8192, None, None, 64, tight)  # the model's own window: clamped
+    clamped = plan_kv_pool([GroupCost(23_040)], 16, 8192, None, None, 64, tight)  # the model's own window: clamped
     assert clamped.max_model_len == 2912 and "clamped to 2912" in clamped.note
 
 

@@ -399,26 +399,27 @@ def test_blocks_used_before_are_handed_out_before_unused_ones():
     freed blocks (evicting the least recently freed prefix) before it touches a new one, so the
     blocks ever used stay at the most in use at once, not the pool's size. Before, every new
     prompt took untouched blocks until the whole pool was resident."""
-    from nanoinfer.engine.kv_manager import BlockManager
+    from nanoinfer.engine.kv_manager import GroupSpec, KVCacheManager
+    from nanoinfer.engine.sequence import KVPlacement
 
-    blocks = BlockManager(num_blocks=1000, block_size=4)
+    blocks = KVCacheManager([GroupSpec(None, 1000)], block_size=4)
     ever_used: set[int] = set()
     for i in range(200):  # 200 requests of 8 new tokens each, 3 at a time
-        tables = []
+        placements = []
         for j in range(3):
-            table: list[int] = []
-            blocks.allocate_prompt(table, [i * 100 + j * 10 + t for t in range(8)])
-            blocks.ensure_slots(table, 8)
-            blocks.seal_full_blocks(table, [i * 100 + j * 10 + t for t in range(8)], 8, [])
-            tables.append(table)
-            ever_used.update(table)
-        for table in tables:
-            blocks.free_table(table)
+            kv, tokens = KVPlacement(), [i * 100 + j * 10 + t for t in range(8)]
+            blocks.allocate_prompt(kv, tokens)
+            assert blocks.allocate_slots(kv, 8)
+            kv.num_computed = 8
+            blocks.seal(kv, tokens)
+            placements.append(kv)
+            ever_used.update(kv.block_table)
+        for kv in placements:
+            blocks.free(kv)
     assert len(ever_used) == 6  # three requests of two blocks at a time
     assert blocks.num_free == 1000
     # a prefix still cached is found again (it was freed last: evicted last)
-    table: list[int] = []
-    assert blocks.allocate_prompt(table, [199 * 100 + 20 + t for t in range(8)] + [7]) == 8
+    assert blocks.allocate_prompt(KVPlacement(), [199 * 100 + 20 + t for t in range(8)] + [7]) == 8
 
 
 def test_rss_levels_off_under_a_mixed_soak(tiny_server):

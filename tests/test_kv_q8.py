@@ -79,7 +79,7 @@ def test_engine_matches_the_uncached_loop_with_the_same_rounding(model_file, bac
     if backend == "cpu" and cpu_kernels.library() is None:
         pytest.skip("no compiled kernels")
     llm = LLM(model_file, dtype="auto", kv_cache_dtype="q8_0", attention_backend=backend)
-    assert llm.engine.cache.k.dtype == kv_cache.Q8_0
+    assert llm.engine.cache.dtype == kv_cache.Q8_0
     p = prompt(13, 1)
     ref_tokens, ref_logits = generate_uncached(llm.loaded.model, p, 20, kv_dtype=kv_cache.Q8_0)
     out = llm.generate({"prompt_token_ids": p},
@@ -158,8 +158,8 @@ def test_rotation_spreads_an_outlier():
 def test_pool_bytes_and_head_sizes(qwen3_gguf, llama_dir):
     q8 = LLM(qwen3_gguf, dtype="auto", kv_cache_dtype="q8_0", kv_cache_memory=8 << 20)
     bf16 = LLM(qwen3_gguf, dtype="auto", kv_cache_dtype="bfloat16", kv_cache_memory=8 << 20)
-    per_token = [e.engine.cache.k[0, 0, 0].nbytes for e in (q8, bf16)]
+    per_token = [e.engine.cache.k[0][0, 0, 0].nbytes for e in (q8, bf16)]
     assert per_token[0] / per_token[1] == 34 / 64  # 0.53x
-    assert q8.engine.scheduler.config.num_blocks >= 1.8 * bf16.engine.scheduler.config.num_blocks
+    assert q8.engine.blocks.num_blocks >= 1.8 * bf16.engine.blocks.num_blocks
     with pytest.raises(InvalidRequestError, match="multiple of 32"):  # the tiny llama's heads are 16 wide
         LLM(llama_dir, kv_cache_dtype="q8_0")

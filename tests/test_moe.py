@@ -69,7 +69,7 @@ def test_experts_run_in_their_block_format(moe_ggufs, kind):
     assert not isinstance(block.gate, QuantLinear)
     assert llm.loaded.info["tensor_formats"][qtype] >= 2 * 4 * 3
     p = prompt(11, 1)
-    ref, _ = generate_uncached(llm.loaded.model, p, 16, kv_dtype=llm.engine.cache.k.dtype)
+    ref, _ = generate_uncached(llm.loaded.model, p, 16, kv_dtype=llm.engine.cache.dtype)
     out = llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     assert out[0].outputs[0].token_ids == ref
     ids = torch.tensor(prompt(40, 2))

@@ -301,7 +301,7 @@ def test_engine_bf16(states, era_roots, tokenizer):
     """Served in bf16: parameters and KV cache bf16, the learned scalars fp32, logits close."""
     llm = LLM(era_roots["F"], dtype="bfloat16", block_size=4, max_num_batched_tokens=7, **KV)
     model = llm.loaded.model
-    assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and llm.engine.cache.k.dtype == torch.bfloat16
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and llm.engine.cache.dtype == torch.bfloat16
     assert model.resid_lambdas.dtype == model.smear_lambda.dtype == torch.float32
     ids = prompt(tokenizer, 40)
     (tokens, logits), = engine_greedy(llm, [ids], 4)

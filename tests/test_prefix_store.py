@@ -98,14 +98,14 @@ def test_corrupt_truncated_and_foreign_files_are_ignored(qwen3_gguf, tmp_path, c
 
 def test_the_size_cap_evicts_the_least_recently_used(qwen3_gguf, tmp_path):
     first = engine(qwen3_gguf, tmp_path)
-    block = first.engine.disk_cache.block_bytes
+    block = first.engine.disk_caches[0].block_bytes
     first.close()
     capped = engine(qwen3_gguf, tmp_path, prefix_cache_dir_bytes=5 * (block + 64))
     for seed in range(4):
         run(capped, prompt(64, 10 + seed))
-    capped.engine.disk_cache.flush()
+    capped.engine.disk_caches[0].flush()
     assert len(list(tmp_path.rglob(f"*{SUFFIX}"))) <= 5
-    assert capped.engine.disk_cache.stats["evicted"] > 0
+    assert capped.engine.disk_caches[0].stats["evicted"] > 0
 
 
 def test_a_restarted_server_answers_a_long_system_prompt_from_disk(default_gguf, tmp_path):

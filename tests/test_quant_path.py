@@ -56,7 +56,7 @@ def test_engine_matches_the_uncached_loop_on_the_same_kernels(ggufs, qtype):
     kernels_or_skip(qtype.removeprefix("llama-"))
     llm = LLM(ggufs[qtype], dtype="auto")
     p = prompt(11, 1)
-    assert llm.engine.cache.k.dtype == torch.bfloat16  # the default cache on this path
+    assert llm.engine.cache.dtype == torch.bfloat16  # the default cache on this path
     # the reference rounds k and v as that cache stores them
     ref_tokens, ref_logits = generate_uncached(llm.loaded.model, p, 24, kv_dtype=torch.bfloat16)
     out = llm.generate({"prompt_token_ids": p},

@@ -30,7 +30,7 @@ def tokens(llm: LLM, p: dict, **params) -> list[int]:
 
 
 def pool_is_empty(llm: LLM) -> bool:
-    return not llm.engine.has_unfinished() and all(b.ref_count == 0 for b in llm.engine.blocks.blocks)
+    return not llm.engine.has_unfinished() and all(b.ref_count == 0 for g in llm.engine.blocks.groups for b in g.blocks)
 
 
 # --- values the API accepts are computed ---------------------------------------------
@@ -230,14 +230,15 @@ def test_failing_request_ends_alone_in_the_server(llama_dir, failing_seed):
 
 
 def test_default_kv_pool_follows_the_model_and_the_machine(llama_dir):
-    from nanoinfer.engine.memory import MemoryBudget, default_kv_pool_bytes, plan_kv_pool
+    from nanoinfer.engine.memory import GroupCost, MemoryBudget, default_kv_pool_bytes, plan_kv_pool
 
     per_token, context = 1000, 2048
-    assert default_kv_pool_bytes(per_token, context, 64, 1 << 40) == per_token * context * 64  # all fit
-    assert default_kv_pool_bytes(per_token, context, 64, 25 << 20) == 25 << 20  # the limit
+    one = [GroupCost(per_token)]
+    assert default_kv_pool_bytes(one, context, 64, 1 << 40) == per_token * context * 64  # all fit
+    assert default_kv_pool_bytes(one, context, 64, 25 << 20) == 25 << 20  # the limit
     # a context that is not a whole number of blocks gets its last block whole: it fits (it was refused)
-    assert default_kv_pool_bytes(per_token, 948, 1, 1 << 40, block_size=16) == per_token * 960
-    assert plan_kv_pool(per_token, 16, 2048, 948, None, 1, MemoryBudget(100 << 30, None, None)).max_model_len == 948
+    assert default_kv_pool_bytes(one, 948, 1, 1 << 40, block_size=16) == per_token * 960
+    assert plan_kv_pool(one, 16, 2048, 948, None, 1, MemoryBudget(100 << 30, None, None)).max_model_len == 948
     assert MemoryBudget(100 << 30, None, None).pool_limit() == 25 << 30  # a quarter of what is free
     assert MemoryBudget(100 << 30, 8 << 30, None).pool_limit() == 2 << 30  # ... of the cgroup's headroom
     assert MemoryBudget(100 << 30, None, 5 << 30).pool_limit() == 2 << 30  # half the address space after 1 GiB
@@ -245,18 +246,19 @@ def test_default_kv_pool_follows_the_model_and_the_machine(llama_dir):
     llm = LLM(llama_dir)
     engine = llm.engine
     assert engine.max_model_len == engine.model_config.max_position_embeddings
-    assert engine.blocks.num_free * engine.config.block_size >= engine.max_model_len
+    assert engine.blocks.groups[0].num_free * engine.config.block_size >= engine.max_model_len
 
 
 def test_kv_pool_pages_cost_nothing_until_used():
     import resource
 
     from nanoinfer.attention import PagedKVCache
+    from nanoinfer.attention.kv_cache import kv_groups
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    cache = PagedKVCache.allocate(24, 8192, 16, 4, 64, torch.float32, "cpu")  # 2 x 3 GiB, untouched
+    cache = PagedKVCache.allocate(kv_groups([None] * 24, 8192), [8192], 16, 4, 64, torch.float32, "cpu")  # 2 x 3 GiB
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 << 10  # KiB
-    assert float(cache.k[:, 100].abs().sum()) == 0.0 and cache.k.is_contiguous()
+    assert float(cache.k[0][:, 100].abs().sum()) == 0.0 and cache.k[0].is_contiguous()
 
 
 def test_a_sampler_error_stays_with_its_row(llama_dir, monkeypatch):

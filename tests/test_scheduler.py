@@ -136,11 +136,11 @@ def test_forks_share_blocks_and_copy_the_partial_block_on_write():
     decode(s)
     s.fork(parent, child)
     parent.forks = []
-    assert child.kv.block_table == parent.kv.block_table and s.blocks.is_shared(parent.kv.block_table[1])
+    assert child.kv.block_table == parent.kv.block_table and s.blocks.groups[0].is_shared(parent.kv.block_table[1])
     batch = s.schedule()  # both write token 7 into the shared half-full block: each gets its own copy
-    assert len(batch.block_copies) == 1  # the first writer copies; the last one left owns the original
+    assert len(batch.block_copies[0]) == 1  # the first writer copies; the last one left owns the original
     assert parent.kv.block_table[0] == child.kv.block_table[0] and parent.kv.block_table[1] != child.kv.block_table[1]
-    assert s.blocks.is_shared(parent.kv.block_table[0])
+    assert s.blocks.groups[0].is_shared(parent.kv.block_table[0])
 
 
 def test_speculative_tokens_are_trimmed_to_the_budget_and_dropped_on_preemption():

@@ -56,8 +56,10 @@ class AttentionBatch:
 
     query_start_loc: list[int]  # [S + 1], ends with T
     seq_lens: list[int]  # [S] keys each sequence has once this step's are stored: cached + new
-    block_tables: list[list[int]]  # [S] each sequence's block ids (at least ceil(seq_len / block_size))
-    slot_mapping: list[int]  # [T] where each new token's k/v go: block * block_size + offset
+    # per KV group (kv_cache.kv_groups), [G][S]: each sequence's block ids in that group's pool (at
+    # least ceil(seq_len / block_size); a windowed group's null block 0 where blocks slid out)
+    block_tables: list[list[list[int]]]
+    slot_mapping: list[list[int]]  # [G][T] where each new token's k/v go in group g: block * block_size + offset
     positions: list[int]  # [T]
     logits_indices: list[int]  # rows whose logits are wanted
 

@@ -26,7 +26,7 @@ class CpuPagedAttention(TorchPagedAttention):
         return device.type == "cpu" and cpu_kernels.decode_supported(torch.empty(0, dtype=dtype))
 
     def decode(self, layer: int, q: torch.Tensor, out: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-               meta: PagedMetadata) -> None:
+               tables: torch.Tensor, meta: PagedMetadata) -> None:
         p = self.params[layer]
-        cpu_kernels.paged_decode(q, out, meta.decode_rows, kc, vc, meta.decode_tables, meta.decode_ctx,
+        cpu_kernels.paged_decode(q, out, meta.decode_rows, kc, vc, tables, meta.decode_ctx,
                                  meta.decode_max_ctx, p.window, p.scale, p.softcap)

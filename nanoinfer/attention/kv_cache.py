@@ -1,6 +1,13 @@
-"""The KV pool's tensors: [layers, num_blocks, block_size, kv_heads, D'] for k and v, and the
-formats a token's k and v are stored in. Which block belongs to whom is the engine's KV
-manager's business; this is only storage.
+"""The KV pool's tensors and the formats a token's k and v are stored in. Which block belongs
+to whom is the engine's KV manager's business; this is only storage.
+
+Layers are grouped by their attention window (`kv_groups`; vLLM's KV cache groups): the layers
+that see every key form one group, each sliding window another. Each group has its own pool,
+[group's layers, num_blocks, block_size, kv_heads, D'] for k and for v, with its own block ids,
+so a windowed group can give back a block once it has slid past it while the full layers still
+hold theirs (Gemma 3's five local layers in six then cost about their window, not the context).
+Block 0 of a windowed group's pool is its null block: never handed out, it stands in a block
+table where blocks have slid out of the window (the kernels never read keys there).
 
 Formats (the cache tensor's dtype names them):
 - float32, bfloat16, float16: each value as that dtype (D' = head_dim);
@@ -117,29 +124,77 @@ def read(stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (q * d).reshape(*lead, nbytes // Q8_BLOCK_BYTES * Q8_BLOCK).to(dtype)
 
 
+@dataclass(frozen=True)
+class KVGroup:
+    """Layers that share a pool and a block table: those with one attention window."""
+
+    window: int | None  # None: every key (full causal attention)
+    layers: tuple[int, ...]
+
+
+def kv_groups(windows: list[int | None], max_model_len: int, by_window: bool = True) -> list[KVGroup]:
+    """The layers grouped by window: the full layers first (a window at least the context is
+    full), then each window, smallest first. by_window=False: one group, every layer (windows
+    still apply in attention; only memory is not given back)."""
+    if not by_window:
+        return [KVGroup(None, tuple(range(len(windows))))]
+    key = [None if w is None or w >= max_model_len else w for w in windows]
+    order = sorted(set(key), key=lambda w: -1 if w is None else w)
+    return [KVGroup(w, tuple(i for i, k in enumerate(key) if k == w)) for w in order]
+
+
 @dataclass
 class PagedKVCache:
-    k: torch.Tensor
-    v: torch.Tensor
+    """One pool per KV group: k[g], v[g] are [group's layers, blocks of group g, block_size, Hkv, D']."""
+
+    groups: list[KVGroup]
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
     block_size: int = field(init=False)
+    layer_place: list[tuple[int, int]] = field(init=False)  # layer -> (group, index in the group's pool)
 
     def __post_init__(self) -> None:
-        self.block_size = self.k.shape[2]
+        self.block_size = self.k[0].shape[2]
+        place = {layer: (g, i) for g, group in enumerate(self.groups) for i, layer in enumerate(group.layers)}
+        self.layer_place = [place[layer] for layer in range(len(place))]
+
+    @property
+    def device(self) -> torch.device:
+        return self.k[0].device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k[0].dtype
+
+    def group_of(self, layer: int) -> int:
+        return self.layer_place[layer][0]
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's k and v pools, [blocks, block_size, Hkv, D'] each."""
+        g, i = self.layer_place[layer]
+        return self.k[g][i], self.v[g][i]
 
     @classmethod
-    def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device) -> PagedKVCache:
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, stored_dim(dtype, head_dim))
-        if torch.device(device).type == "cpu":
-            return cls(_untouched_zeros(shape, dtype), _untouched_zeros(shape, dtype))
-        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+    def allocate(cls, groups: list[KVGroup], num_blocks: list[int], block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device) -> PagedKVCache:
+        """num_blocks: each group's pool."""
+        make = _untouched_zeros if torch.device(device).type == "cpu" else \
+            (lambda shape, dt: torch.zeros(shape, dtype=dt, device=device))
+        k, v = [], []
+        for group, n in zip(groups, num_blocks):
+            shape = (len(group.layers), n, block_size, num_kv_heads, stored_dim(dtype, head_dim))
+            k.append(make(shape, dtype))
+            v.append(make(shape, dtype))
+        return cls(groups, k, v)
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        if pairs:
-            src = torch.tensor([s for s, _ in pairs], device=self.k.device)
-            dst = torch.tensor([d for _, d in pairs], device=self.k.device)
-            self.k[:, dst] = self.k[:, src]
-            self.v[:, dst] = self.v[:, src]
+    def copy_blocks(self, pairs: list[list[tuple[int, int]]]) -> None:
+        """pairs[g]: group g's (source, destination) block copies."""
+        for k, v, group_pairs in zip(self.k, self.v, pairs):
+            if group_pairs:
+                src = torch.tensor([s for s, _ in group_pairs], device=k.device)
+                dst = torch.tensor([d for _, d in group_pairs], device=k.device)
+                k[:, dst] = k[:, src]
+                v[:, dst] = v[:, src]
 
 
 def _untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

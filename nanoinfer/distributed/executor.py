@@ -28,6 +28,7 @@ import torch
 
 from .. import threads
 from ..attention import AttentionBackend, PagedKVCache, layer_params
+from ..attention.kv_cache import KVGroup
 from ..models.batch import ForwardBatch
 from ..models.builder import load_model
 from . import parallel
@@ -42,7 +43,8 @@ class WorkerSetup:
     model: str
     dtype: torch.dtype | None
     overrides: dict | None
-    num_blocks: int
+    kv_groups: list[KVGroup]  # rank 0's (kv_cache.kv_groups)
+    num_blocks: list[int]  # each group's pool
     block_size: int
     kv_dtype: torch.dtype
     context: int  # the engine's max_model_len (LongRoPE picks its factors from it)
@@ -79,7 +81,7 @@ class TensorParallelExecutor:
     def setup(self, setup: WorkerSetup) -> None:
         parallel.broadcast(setup)
 
-    def step(self, block_copies: list[tuple[int, int]], forward: ForwardBatch) -> None:
+    def step(self, block_copies: list[list[tuple[int, int]]], forward: ForwardBatch) -> None:
         """Hand the workers this step (then run the same forward here)."""
         parallel.broadcast(("step", block_copies, _fields(forward)))
 
@@ -121,7 +123,7 @@ def serve_steps(rank: int, world: int, device: str) -> None:
     if hasattr(model, "set_context"):
         model.set_context(setup.context)
     cfg = rank_config(loaded.config, world)
-    cache = PagedKVCache.allocate(cfg.num_layers, setup.num_blocks, setup.block_size, cfg.num_kv_heads, cfg.head_dim,
+    cache = PagedKVCache.allocate(setup.kv_groups, setup.num_blocks, setup.block_size, cfg.num_kv_heads, cfg.head_dim,
                                   setup.kv_dtype, device)
     backend = setup.attention_backend(layer_params(cfg), cache)
     while True:

@@ -11,7 +11,8 @@ from .sequence import Sequence
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)  # tokens each sequence computes this step
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): copy-on-write before the forward
+    # per KV group, (src, dst) block copies: copy-on-write before the forward
+    block_copies: list[list[tuple[int, int]]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seqs)

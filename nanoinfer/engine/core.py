@@ -12,6 +12,7 @@ the same step and its blocks go back to the pool.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -32,7 +33,8 @@ from ..structured import ConstraintLimits, StructuredOutputs
 from ..tokenizer import IncrementalDetokenizer, StopMatcher
 from ..tools.tool_use import ToolUseState, bind_tools
 from .draft import DraftModelProposer
-from .memory import MemoryBudget, plan_kv_pool
+from .kv_manager import GroupSpec
+from .memory import GroupCost, MemoryBudget, plan_kv_pool
 from .outputs import ForwardStat, RequestOutput, StreamDelta, spec_figures
 from .prefix_store import DiskPrefixCache, file_identity, store_key
 from .runner import ModelRunner
@@ -104,17 +106,23 @@ class LLMEngine:
         if kv_cache.is_q8(self.kv_dtype) and mc.head_dim % kv_cache.Q8_BLOCK:
             raise InvalidRequestError(f"kv_cache_dtype=q8_0 needs a head size that is a multiple of 32; this model's is "
                                       f"{mc.head_dim}", "kv_cache_dtype")
-        plan = plan_kv_pool(rank_mc.kv_bytes_per_token(kv_cache.value_bytes(self.kv_dtype)), config.block_size,
-                            mc.max_position_embeddings, config.max_model_len, config.kv_cache_memory,
-                            config.max_num_seqs, MemoryBudget.now(), config.kv_memory_share)
+        # layers grouped by window, each group its own pool (kv_cache.kv_groups); not under tensor
+        # parallelism, whose ranks size one pool alike
+        self.kv_groups = kv_cache.kv_groups(mc.windows(), min(config.max_model_len or mc.max_position_embeddings,
+                                                              mc.max_position_embeddings), by_window=tp == 1)
+        layer_bytes = rank_mc.kv_bytes_per_token(kv_cache.value_bytes(self.kv_dtype)) / mc.num_layers
+        costs = [GroupCost(math.ceil(layer_bytes * len(g.layers)), g.window) for g in self.kv_groups]
+        plan = plan_kv_pool(costs, config.block_size, mc.max_position_embeddings, config.max_model_len,
+                            config.kv_cache_memory, config.max_num_seqs, MemoryBudget.now(), config.kv_memory_share,
+                            chunk=config.max_num_batched_tokens)
         if plan.note:
             logger.warning(plan.note)
         num_blocks, self.max_model_len = plan.num_blocks, plan.max_model_len
         try:
-            self.cache = PagedKVCache.allocate(mc.num_layers, num_blocks, config.block_size, rank_mc.num_kv_heads,
+            self.cache = PagedKVCache.allocate(self.kv_groups, num_blocks, config.block_size, rank_mc.num_kv_heads,
                                                mc.head_dim, self.kv_dtype, self.device)
         except (OSError, MemoryError, RuntimeError) as e:  # the machine changed since it was measured
-            raise InvalidRequestError(f"cannot allocate a KV pool of {num_blocks} blocks: {e}; "
+            raise InvalidRequestError(f"cannot allocate a KV pool of {sum(num_blocks)} blocks: {e}; "
                                       f"set --kv-cache-memory", "kv_cache_memory") from None
         if hasattr(self.model, "set_context"):  # LongRoPE's short or long factors follow the window
             self.model.set_context(self.max_model_len)
@@ -122,16 +130,19 @@ class LLMEngine:
             raise InvalidRequestError(f"step_time_target_ms must be > 0, got {config.step_time_target_ms}",
                                       "step_time_target_ms")
         step_target = config.step_time_target_ms / 1e3 if config.step_time_target_ms else None
-        self.disk_cache = self._disk_cache(loaded, config, mc) if config.prefix_cache_dir else None
-        self.scheduler = Scheduler(SchedulerConfig(num_blocks, config.max_num_seqs, config.max_num_batched_tokens,
+        # the persistent prefix cache: one folder per KV group (its layers' blocks)
+        self.disk_caches = self._disk_caches(loaded, config, mc, costs) if config.prefix_cache_dir else []
+        groups = [GroupSpec(g.window, n) for g, n in zip(self.kv_groups, num_blocks)]
+        self.scheduler = Scheduler(SchedulerConfig(groups, config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.block_size, config.enable_prefix_caching,
-                                                   config.scheduling_policy, step_target), tier=self.disk_cache)
+                                                   config.scheduling_policy, step_target), tiers=self.disk_caches or None)
         self.executor = None
         if tp > 1:
             self.executor = TensorParallelExecutor(tp, str(self.device))
             src = loaded.source
-            self.executor.setup(WorkerSetup(src["path"], src["dtype"], src["overrides"], num_blocks, config.block_size,
-                                            self.kv_dtype, self.max_model_len, self.attention_backend))
+            self.executor.setup(WorkerSetup(src["path"], src["dtype"], src["overrides"], self.kv_groups, num_blocks,
+                                            config.block_size, self.kv_dtype, self.max_model_len,
+                                            self.attention_backend))
         self.runner = ModelRunner(self.model, rank_mc, self.cache, self.attention_backend, self.executor)
         self.tools = bind_tools(self.tokenizer) if config.enable_tools else []
         self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size, ConstraintLimits.of(config.constraint_limits))
@@ -142,7 +153,7 @@ class LLMEngine:
             self.proposer = NgramProposer(self.spec, [tok.decode([i], skip_special_tokens=False)
                                                       for i in range(tok.vocab_size)])
         elif self.spec is not None:
-            self.proposer = DraftModelProposer(self.spec, loaded, num_blocks, config.block_size, self.max_model_len,
+            self.proposer = DraftModelProposer(self.spec, loaded, max(num_blocks), config.block_size, self.max_model_len,
                                                self.kv_dtype, self.attention_backend)
         self.step_times = StepTimes()  # decode steps' times by rows: what checking guesses costs here
         self.spec_proposed = self.spec_accepted = 0  # proposed and accepted tokens, for metrics
@@ -514,32 +525,26 @@ class LLMEngine:
                 if d.request_id == request_id:
                     yield d
 
-    def _disk_cache(self, loaded: LoadedModel, config: EngineConfig, mc) -> DiskPrefixCache | None:
-        """The persistent prefix cache's folder for this model and configuration (prefix_store.py)."""
+    def _disk_caches(self, loaded: LoadedModel, config: EngineConfig, mc, costs: list[GroupCost]
+                     ) -> list[DiskPrefixCache]:
+        """The persistent prefix cache's folders for this model and configuration (prefix_store.py),
+        one per KV group, sharing the size cap in proportion to a token's bytes in each."""
         if not config.enable_prefix_caching:
             raise InvalidRequestError("prefix_cache_dir needs prefix caching on", "prefix_cache_dir")
         if config.tensor_parallel_size > 1:
             logger.warning("prefix_cache_dir: not with tensor parallelism (each rank holds part of a block); "
                            "the prefix cache stays in memory")
-            return None
-        k, v = self.cache.k, self.cache.v
-        block_bytes = (k[:, 0].numel() * k.element_size()) * 2
-
-        def read_block(bid: int) -> bytes:
-            return torch.cat([k[:, bid].reshape(-1).view(torch.uint8), v[:, bid].reshape(-1).view(torch.uint8)]
-                             ).cpu().numpy().tobytes()
-
-        def write_block(bid: int, payload: bytes) -> None:
-            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            half = len(payload) // 2
-            k[:, bid].copy_(data[:half].view(k.dtype).view(k[:, bid].shape))
-            v[:, bid].copy_(data[half:].view(v.dtype).view(v[:, bid].shape))
-
-        key = store_key(model=file_identity(loaded.path), dtype=str(loaded.source.get("dtype")), kv=str(self.kv_dtype),
-                        max_model_len=self.max_model_len, block_size=config.block_size, tp=(0, 1),
-                        architecture=mc.architecture)
-        return DiskPrefixCache(config.prefix_cache_dir, config.prefix_cache_dir_bytes, key, block_bytes,
-                               read_block, write_block)
+            return []
+        identity = file_identity(loaded.path)
+        total = sum(c.bytes_per_token for c in costs)
+        caches = []
+        for group, cost, k, v in zip(self.kv_groups, costs, self.cache.k, self.cache.v):
+            key = store_key(model=identity, dtype=str(loaded.source.get("dtype")), kv=str(self.kv_dtype),
+                            max_model_len=self.max_model_len, block_size=config.block_size, tp=(0, 1),
+                            architecture=mc.architecture, layers=group.layers, window=group.window)
+            caches.append(DiskPrefixCache(config.prefix_cache_dir, config.prefix_cache_dir_bytes * cost.bytes_per_token
+                                          // total, key, (k[:, 0].numel() * k.element_size()) * 2, *_block_io(k, v)))
+        return caches
 
     # --- metrics ----------------------------------------------------------------
     def close(self) -> None:
@@ -548,8 +553,8 @@ class LLMEngine:
         if self.executor is not None:
             self.executor.close()
             self.executor = None
-        if self.disk_cache is not None:
-            self.disk_cache.close()
+        for disk in self.disk_caches:
+            disk.close()
 
     def metrics(self) -> dict:
         s, b = self.scheduler, self.blocks
@@ -557,10 +562,10 @@ class LLMEngine:
             "running": len(s.running),
             "waiting": len(s.waiting),
             "preemptions": s.num_preemptions,
-            "kv_blocks_total": len(b.blocks),
+            "kv_blocks_total": b.num_blocks,  # every KV group's
             "kv_blocks_used": b.num_used,
             "kv_blocks_free": b.num_free,
-            "kv_usage": b.num_used / len(b.blocks),
+            "kv_usage": b.num_used / b.num_blocks,
             "prefix_cache_queries": b.stats.prefix_queries,
             "prefix_cache_hits": b.stats.prefix_hits,
             "prefix_cache_hit_rate": b.stats.hit_rate,
@@ -571,3 +576,19 @@ class LLMEngine:
             "last_step_tokens": self.last_step_tokens,
             **spec_figures(self.spec_proposed, self.spec_accepted, self.spec_checks),
         }
+
+
+def _block_io(k: torch.Tensor, v: torch.Tensor):
+    """A group's pool read and written one block at a time, as bytes (the disk tier's side)."""
+
+    def read_block(bid: int) -> bytes:
+        return torch.cat([k[:, bid].reshape(-1).view(torch.uint8), v[:, bid].reshape(-1).view(torch.uint8)]
+                         ).cpu().numpy().tobytes()
+
+    def write_block(bid: int, payload: bytes) -> None:
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        half = len(payload) // 2
+        k[:, bid].copy_(data[:half].view(k.dtype).view(k[:, bid].shape))
+        v[:, bid].copy_(data[half:].view(v.dtype).view(v[:, bid].shape))
+
+    return read_block, write_block

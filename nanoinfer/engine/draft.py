@@ -16,12 +16,13 @@ import numpy as np
 import torch
 
 from ..attention import AttentionBackend, PagedKVCache
+from ..attention.kv_cache import kv_groups
 from ..errors import InvalidRequestError
 from ..kernels.quant_linear import has_block_weights
 from ..models.builder import LoadedModel, load_model
 from ..spec_decode import SeqKey, SpeculativeConfig
 from .batch import ScheduledBatch
-from .kv_manager import BlockManager
+from .kv_manager import GroupSpec, KVCacheManager
 from .runner import ModelRunner
 from .sequence import KVPlacement, Speculation
 
@@ -60,8 +61,9 @@ def same_vocabulary(a, b) -> bool:
 class DraftModelProposer:
     def __init__(self, config: SpeculativeConfig, target: LoadedModel, num_blocks: int, block_size: int,
                  max_model_len: int, kv_dtype: torch.dtype, backend: type[AttentionBackend]):
-        """num_blocks: as many as the target's pool (a draft block per target block); backend: the
-        target's attention backend (same device, same KV dtype)."""
+        """num_blocks: as many as the target's largest pool; backend: the target's attention
+        backend (same device, same KV dtype). One KV group: a draft's windowed layers keep every
+        block (the draft's pool is small; its sequences are given back as soon as they stop)."""
         device = next(target.model.parameters()).device
         dtype = None if has_block_weights(target.model) else next(target.model.parameters()).dtype
         self.loaded = draft = load_model(config.model, dtype=dtype, device=device)
@@ -69,9 +71,9 @@ class DraftModelProposer:
             raise InvalidRequestError(f"the draft model {config.model} does not share the target's vocabulary",
                                       param="speculative_config.model")
         mc = draft.config
-        self.cache = PagedKVCache.allocate(mc.num_layers, num_blocks, block_size, mc.num_kv_heads, mc.head_dim,
-                                           kv_dtype, device)
-        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        groups = kv_groups(mc.windows(), max_model_len, by_window=False)
+        self.cache = PagedKVCache.allocate(groups, [num_blocks], block_size, mc.num_kv_heads, mc.head_dim, kv_dtype, device)
+        self.blocks = KVCacheManager([GroupSpec(None, num_blocks)], block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(draft.model, mc, self.cache, backend)
         self.max_len = min(max_model_len, mc.max_position_embeddings)
         if hasattr(draft.model, "set_context"):
@@ -83,7 +85,7 @@ class DraftModelProposer:
     def retain(self, keys: set[SeqKey]) -> None:
         """Forget the draft sequences of target sequences that are no longer running."""
         for key in [k for k in self.seqs if k not in keys]:
-            self.blocks.free_table(self.seqs.pop(key).kv.block_table)
+            self.blocks.free(self.seqs.pop(key).kv)
 
     def prefill(self, requests: list[tuple[SeqKey, list[int]]]) -> None:
         """Compute the draft's KV of these sequences' tokens now (in the step that prefilled the
@@ -132,9 +134,8 @@ class DraftModelProposer:
 
     def _reserve(self, d: DraftSequence, length: int) -> bool:
         """Blocks for `length` tokens; False (and the draft's blocks given back) if the pool has none."""
-        start = min(d.kv.num_computed, length)
-        if self.blocks.allocate_slots(d.kv.block_table, start, length - start) is None:
-            self.blocks.free_table(d.kv.block_table)
+        if not self.blocks.allocate_slots(d.kv, max(0, length - d.kv.num_computed)):
+            self.blocks.free(d.kv)
             d.kv.num_computed = 0
             return False
         return True

@@ -1,8 +1,10 @@
-"""The paged KV cache: a fixed pool of blocks, block tables, prefix hashing, forks.
+"""The paged KV cache's bookkeeping: pools of blocks, block tables, prefix hashing, forks.
 
-Memory is `num_blocks` blocks of `block_size` token slots per layer. A sequence owns a
-block table (a list of block ids); token i lives in block table[i // block_size] at
-slot i % block_size. Blocks are reference counted so that
+Each KV group (attention/kv_cache.py: the full-attention layers, and each sliding window's
+layers) has a pool of `num_blocks` blocks of `block_size` token slots per layer, kept by a
+BlockManager; KVCacheManager (at the end) is the scheduler's one door to all of them. A
+sequence owns a block table per group (lists of block ids); token i lives in block
+table[i // block_size] at slot i % block_size of each. Blocks are reference counted so that
 
 - n samples of one prompt share the prompt's blocks (fork), and only a partially
   filled last block is copied when a sample first writes to it (copy-on-write);
@@ -23,7 +25,10 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from .sequence import KVPlacement
 
 
 class BlockTier(Protocol):
@@ -59,16 +64,28 @@ class CacheStats:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
 
+NULL_BLOCK = 0  # a windowed group's stand-in for blocks that slid out of its window (kv_cache.py)
+
+
 class BlockManager:
+    """One KV group's pool of blocks (ref counts, names, free lists); KVCacheManager below is
+    the scheduler's door to all the groups."""
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 tier: BlockTier | None = None):
+                 tier: BlockTier | None = None, null_block: bool = False):
+        """null_block: block 0 is the group's null block, never handed out; and (a windowed
+        group) never-used blocks go before freed ones, as in vLLM: its sequences give blocks
+        back while they run, and taking those straight back would evict every prompt's window
+        before a second request could hit it. Its pool is window-sized, so its resident memory
+        stays small even once all of it has been used."""
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
+        self.null_block = null_block
         self.free: OrderedDict[int, None] = OrderedDict()  # freed blocks, least recently freed first
-        self.unused = list(range(num_blocks - 1, -1, -1))  # never handed out (popped from the end: 0, 1, ...)
+        # never handed out (popped from the end: the lowest id first)
+        self.unused = list(range(num_blocks - 1, 0 if null_block else -1, -1))
         self.cached: dict[bytes, int] = {}  # hash -> block id, for blocks whose contents are still valid
         self.enable_prefix_caching = enable_prefix_caching
-        self.stats = CacheStats()
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies the runner must do
         self.tier = tier if enable_prefix_caching else None
 
@@ -78,7 +95,12 @@ class BlockManager:
 
     @property
     def num_used(self) -> int:
-        return len(self.blocks) - self.num_free
+        return len(self.blocks) - self.null_block - self.num_free
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks that can be handed out (the null block not counted)."""
+        return len(self.blocks) - self.null_block
 
     def is_shared(self, bid: int) -> bool:
         return self.blocks[bid].ref_count > 1
@@ -88,7 +110,10 @@ class BlockManager:
 
     # --- allocation ---------------------------------------------------------------
     def _take(self) -> int:
-        bid = self.free.popitem(last=False)[0] if self.free else self.unused.pop()
+        if self.free and not (self.null_block and self.unused):
+            bid = self.free.popitem(last=False)[0]
+        else:
+            bid = self.unused.pop()
         b = self.blocks[bid]
         if b.hash is not None and self.cached.get(b.hash) == bid:
             del self.cached[b.hash]  # evicted: its contents are about to be overwritten
@@ -96,68 +121,20 @@ class BlockManager:
         return bid
 
     def _ref(self, bid: int) -> None:
+        if self.null_block and bid == NULL_BLOCK:
+            return
         b = self.blocks[bid]
         if b.ref_count == 0:
             del self.free[bid]
         b.ref_count += 1
 
     def _unref(self, bid: int) -> None:
+        if self.null_block and bid == NULL_BLOCK:
+            return
         b = self.blocks[bid]
         b.ref_count -= 1
         if b.ref_count == 0:
             self.free[bid] = None  # most recently freed: evicted last
-
-    def match_prefix(self, tokens: list[int]) -> list[int]:
-        """Cached blocks holding a prefix of `tokens` (full blocks only, and never the whole
-        prompt: the last prompt token must be computed to get logits)."""
-        if not self.enable_prefix_caching:
-            return []
-        bs, hits, parent = self.block_size, [], None
-        for i in range((len(tokens) - 1) // bs):
-            parent = block_hash(parent, tokens[i * bs:(i + 1) * bs])
-            bid = self.cached.get(parent)
-            if bid is None:
-                break
-            hits.append(bid)
-        return hits
-
-    def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= self.num_free
-
-    def allocate_prompt(self, table: list[int], tokens: list[int], lookup: bool = True) -> int:
-        """Fill an empty block table with the cached prefix of `tokens`. Returns the
-        number of tokens whose KV is already there. lookup=False: none (a request that wants
-        every prompt position's logits computes them all, as vLLM does)."""
-        assert not table
-        hits = self.match_prefix(tokens) if lookup else []
-        for bid in hits:
-            self._ref(bid)
-        table.extend(hits)
-        if lookup and self.tier is not None:
-            self._read_tier(table, tokens)
-        self.stats.prefix_queries += len(tokens)
-        self.stats.prefix_hits += len(table) * self.block_size
-        return len(table) * self.block_size
-
-    def _read_tier(self, table: list[int], tokens: list[int]) -> None:
-        """The cached prefix continued from the second tier: each next full block found there
-        read into a free block, which is then named and cached as if computed here."""
-        bs = self.block_size
-        parent = None
-        for i in range(len(table)):
-            parent = block_hash(parent, tokens[i * bs:(i + 1) * bs])
-        for i in range(len(table), (len(tokens) - 1) // bs):
-            parent = block_hash(parent, tokens[i * bs:(i + 1) * bs])
-            if not self.num_free or not self.tier.has(parent):
-                return
-            bid = self._take()
-            if not self.tier.load(parent, bid):
-                self._unref(bid)
-                return
-            self.blocks[bid].hash = parent
-            self.cached[parent] = bid
-            table.append(bid)
-            self.stats.tier_hits += bs
 
     def allocate_slots(self, table: list[int], num_computed: int, num_tokens: int) -> list[int] | None:
         """The scheduler's door for a step (vLLM v1's name): room in `table` for num_tokens more
@@ -197,22 +174,38 @@ class BlockManager:
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
-    def seal_full_blocks(self, table: list[int], tokens: list[int], num_computed: int, hashes: list[bytes]) -> None:
-        """Name each block that has become full (all its tokens computed) by its prefix hash,
-        so later requests can reuse it. `hashes` is the sequence's running hash list."""
-        if not self.enable_prefix_caching or num_computed // self.block_size <= len(hashes):
-            return
-        bs = self.block_size
-        while len(hashes) < num_computed // bs:
-            i = len(hashes)
-            h = block_hash(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs])
-            hashes.append(h)
-            b = self.blocks[table[i]]
-            if b.hash is None:
-                b.hash = h
-                self.cached.setdefault(h, b.id)
-                if self.tier is not None:
-                    self.tier.offer(h, b.id)
+    def name(self, bid: int, h: bytes) -> None:
+        """A block just filled, named by its prefix hash for later hits (and offered to the tier)."""
+        b = self.blocks[bid]
+        if b.hash is None:
+            b.hash = h
+            self.cached.setdefault(h, bid)
+            if self.tier is not None:
+                self.tier.offer(h, bid)
+
+    def lookup(self, h: bytes) -> int | None:
+        """The block named h, here or (held) in the tier: its id, or None."""
+        return self.cached.get(h)
+
+    def has(self, h: bytes) -> bool:
+        return h in self.cached or (self.tier is not None and self.tier.has(h))
+
+    def take_named(self, h: bytes) -> int | None:
+        """A reference to the block named h: the cached one, or a free one read from the tier
+        (then named and cached as if computed here); None if neither can give it."""
+        bid = self.cached.get(h)
+        if bid is not None:
+            self._ref(bid)
+            return bid
+        if self.tier is None or not self.num_free or not self.tier.has(h):
+            return None
+        bid = self._take()
+        if not self.tier.load(h, bid):
+            self._unref(bid)
+            return None
+        self.blocks[bid].hash = h
+        self.cached[h] = bid
+        return bid
 
     def fork(self, table: list[int]) -> list[int]:
         """A new block table sharing every block of `table`."""
@@ -224,3 +217,171 @@ class BlockManager:
         for bid in reversed(table):  # the tail is freed first, so it is evicted before the shared prefix
             self._unref(bid)
         table.clear()
+
+    def slide(self, table: list[int], first_needed: int) -> None:
+        """A windowed group: blocks wholly before position `first_needed` given back, the null
+        block in their place."""
+        for i in range(min(first_needed // self.block_size, len(table))):
+            if table[i] != NULL_BLOCK:
+                self._unref(table[i])
+                table[i] = NULL_BLOCK
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """A KV group as the manager sees it (attention/kv_cache.py's KVGroup): its window and pool."""
+
+    window: int | None  # None: every key is kept
+    num_blocks: int
+
+
+class KVCacheManager:
+    """The scheduler's only door to blocks (vLLM v1's KVCacheManager): one BlockManager per KV
+    group, one block table per group in each sequence's KVPlacement, all indexed alike by
+    logical block (token i in block i // block_size of every table).
+
+    A windowed group gives back the blocks its window has slid past (`allocate_slots`: before
+    a step, the blocks wholly before the step's first query's window), so it holds about
+    window + chunk tokens a sequence however long the sequence grows.
+
+    Prefix caching names a full block by its token-chain hash in every group that holds it. A
+    prompt's cached prefix is the longest run of m full blocks such that the full groups hold
+    blocks 0..m-1 and each windowed group holds the blocks its window needs at position
+    m * block_size (those overlapping its last `window` - 1 positions): the local layers'
+    keys are restored from the window's blocks, cached while their sequence ran or read from
+    the second tier; blocks before the window stay the null block."""
+
+    def __init__(self, groups: list[GroupSpec], block_size: int, enable_prefix_caching: bool = True,
+                 tiers: list[BlockTier | None] | None = None):
+        self.specs = groups
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        tiers = tiers or [None] * len(groups)
+        self.groups = [BlockManager(g.num_blocks, block_size, enable_prefix_caching, tier, null_block=g.window is not None)
+                       for g, tier in zip(groups, tiers)]
+        self.stats = CacheStats()
+
+    # --- figures ------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return sum(g.num_blocks for g in self.groups)
+
+    @property
+    def num_free(self) -> int:
+        return sum(g.num_free for g in self.groups)
+
+    @property
+    def num_used(self) -> int:
+        return sum(g.num_used for g in self.groups)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # --- the doors ----------------------------------------------------------------------
+    def _window_start(self, window: int, position: int) -> int:
+        """The first logical block a query at `position` reads in a group with this window."""
+        return max(0, position - window + 1) // self.block_size
+
+    def _longest_hit(self, hashes: list[bytes]) -> int:
+        """The most leading blocks every group can give (module docstring)."""
+        m = len(hashes)
+        for spec, group in zip(self.specs, self.groups):
+            if spec.window is None:
+                m = next((i for i, h in enumerate(hashes[:m]) if not group.has(h)), m)
+        while m > 0 and not all(
+                all(group.has(hashes[i]) for i in range(self._window_start(spec.window, m * self.block_size), m))
+                for spec, group in zip(self.specs, self.groups) if spec.window is not None):
+            m -= 1
+        return m
+
+    def allocate_prompt(self, kv: KVPlacement, tokens: list[int], lookup: bool = True) -> int:
+        """Fill a sequence's empty block tables with the cached prefix of `tokens` (full blocks
+        only, and never the whole prompt: the last token must run to give logits). Returns the
+        number of tokens whose KV is already there. lookup=False: none (a request that wants
+        every prompt position's logits computes them all, as vLLM does)."""
+        assert not any(kv.block_tables)
+        kv.block_tables = [[] for _ in self.groups]
+        bs, m = self.block_size, 0
+        if lookup and self.enable_prefix_caching:
+            hashes, parent = [], None
+            for i in range((len(tokens) - 1) // bs):
+                parent = block_hash(parent, tokens[i * bs:(i + 1) * bs])
+                hashes.append(parent)
+            while True:  # a block can fail to come (a tier's gone or corrupt, no free block): then a shorter prefix
+                m = self._longest_hit(hashes)
+                failed = self._take_prefix(kv, hashes, m)
+                if failed is None:
+                    break
+                hashes = hashes[:failed]
+        self.stats.prefix_queries += len(tokens)
+        self.stats.prefix_hits += m * bs
+        return m * bs
+
+    def _take_prefix(self, kv: KVPlacement, hashes: list[bytes], m: int) -> int | None:
+        """References to the m-block prefix in every group's table: None, or the logical block
+        that could not be had (then nothing is kept)."""
+        from_tier: set[int] = set()  # logical blocks read back from the second tier (in any group)
+        for spec, group, table in zip(self.specs, self.groups, kv.block_tables):
+            first = 0 if spec.window is None else self._window_start(spec.window, m * self.block_size)
+            table.extend([NULL_BLOCK] * first)
+            for i in range(first, m):
+                in_memory = group.lookup(hashes[i]) is not None
+                bid = group.take_named(hashes[i])
+                if bid is None:
+                    self.free(kv)
+                    kv.block_tables = [[] for _ in self.groups]
+                    return i
+                if not in_memory:
+                    from_tier.add(i)
+                table.append(bid)
+        self.stats.tier_hits += len(from_tier) * self.block_size
+        return None
+
+    def allocate_slots(self, kv: KVPlacement, num_tokens: int) -> bool:
+        """Room in every group for num_tokens more tokens after kv.num_computed (copying a
+        shared block about to be written), windowed groups first giving back the blocks they
+        no longer read. False, with no block taken, when a pool has too few free blocks."""
+        if not kv.block_tables:
+            kv.block_tables = [[] for _ in self.groups]
+        start, end = kv.num_computed, kv.num_computed + num_tokens
+        for spec, group, table in zip(self.specs, self.groups, kv.block_tables):
+            if spec.window is not None:
+                group.slide(table, max(0, start - spec.window + 1))
+        if not all(self._need(group, table, start, end) <= group.num_free
+                   for group, table in zip(self.groups, kv.block_tables)):
+            return False
+        for group, table in zip(self.groups, kv.block_tables):
+            assert group.allocate_slots(table, start, num_tokens) is not None
+        return True
+
+    def _need(self, group: BlockManager, table: list[int], start: int, end: int) -> int:
+        idx = start // self.block_size
+        cow = idx < len(table) and group.is_shared(table[idx])
+        return max(0, self.blocks_needed(end) - len(table)) + cow
+
+    def free(self, kv: KVPlacement) -> None:
+        for group, table in zip(self.groups, kv.block_tables):
+            group.free_table(table)
+
+    def fork(self, parent: KVPlacement, child: KVPlacement) -> None:
+        """The child shares every block of the parent (copy-on-write when either writes one)."""
+        child.block_tables = [group.fork(table) for group, table in zip(self.groups, parent.block_tables)]
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed = parent.num_computed
+
+    def seal(self, kv: KVPlacement, tokens: list[int]) -> None:
+        """Name each block that has become full (all its tokens computed) by its prefix hash,
+        in every group that still holds it, so later requests can reuse it."""
+        bs, hashes = self.block_size, kv.block_hashes
+        if not self.enable_prefix_caching or kv.num_computed // bs <= len(hashes):
+            return
+        while len(hashes) < kv.num_computed // bs:
+            i = len(hashes)
+            hashes.append(block_hash(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+            for group, table in zip(self.groups, kv.block_tables):
+                if not (group.null_block and table[i] == NULL_BLOCK):
+                    group.name(table[i], hashes[i])
+
+    def take_pending_copies(self) -> list[list[tuple[int, int]]]:
+        """Each group's copy-on-write copies decided since the last call (the runner does them first)."""
+        return [group.take_pending_copies() for group in self.groups]

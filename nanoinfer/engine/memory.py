@@ -10,10 +10,11 @@ Three limits can bind, and a pool sized from only one of them failed under the o
   what the cgroup already uses: the kernel's OOM killer acts on it, not on MemAvailable.
 
 The rule (stated in docs/serving.md): the pool is room for `max_num_seqs` sequences at the
-full context, but at most a quarter of min(MemAvailable, the cgroup's headroom), and at most
-half of the address-space headroom after RESERVE (thread stacks, kernels, activations, the
-grammar engine). A pool is resident only as far as sequences have written it (anonymous
-mappings on the CPU), but the prefix cache keeps freed blocks' contents, so under varied load
+full context (a sliding-window group counting its window only), but at most a quarter of
+min(MemAvailable, the cgroup's headroom), and at most half of the address-space headroom
+after RESERVE (thread stacks, kernels, activations, the grammar engine). A pool is resident
+only as far as sequences have written it (anonymous mappings on the CPU), but the prefix
+cache keeps freed blocks' contents, so under varied load
 the whole pool becomes resident: RSS levels off at weights + pool + the runtime.
 """
 from __future__ import annotations
@@ -128,37 +129,91 @@ class MemoryBudget:
 
 
 
-def default_kv_pool_bytes(bytes_per_token: int, context: int, max_num_seqs: int, limit: int,
-                          block_size: int = 1) -> int:
+@dataclass(frozen=True)
+class GroupCost:
+    """A KV group's layers as the pool's size rule counts them (attention/kv_cache.kv_groups)."""
+
+    bytes_per_token: int  # K and V of one token in the group's layers
+    window: int | None = None  # a windowed group holds at most window - 1 + a step's chunk tokens a sequence
+
+
+def group_blocks(group: GroupCost, context: int, block_size: int, chunk: int) -> int:
+    """The blocks one sequence holds at most in this group at `context` tokens: all of them,
+    or (windowed) the ones overlapping the window behind a step's first query and the step's
+    `chunk` tokens, one more for a window that does not start on a block."""
+    blocks = -(-context // block_size)
+    if group.window is None:
+        return blocks
+    return min(blocks, -(-(group.window - 1 + chunk) // block_size) + 1)
+
+
+def sequence_bytes(groups: list[GroupCost], context: int, block_size: int, chunk: int) -> int:
+    """One sequence at `context` tokens, in whole blocks of every group."""
+    return sum(group_blocks(g, context, block_size, chunk) * block_size * g.bytes_per_token for g in groups)
+
+
+def default_kv_pool_bytes(groups: list[GroupCost], context: int, max_num_seqs: int, limit: int,
+                          block_size: int = 1, chunk: int = 0) -> int:
     """Room for max_num_seqs sequences at the full context (in whole blocks), at most `limit`
     (MemoryBudget.pool_limit)."""
-    blocks = -(-context // block_size)
-    return min(bytes_per_token * blocks * block_size * max_num_seqs, limit)
+    return min(sequence_bytes(groups, context, block_size, chunk) * max_num_seqs, limit)
+
+
+def _split(groups: list[GroupCost], pool_bytes: int, context: int, block_size: int, chunk: int,
+           max_num_seqs: int) -> list[int]:
+    """Each group's blocks from the pool's bytes. A windowed group gets as many blocks as one
+    pool for every layer would have had (so no mix of long and short sequences fits fewer than
+    before), but at least one sequence's window and at most max_num_seqs windows (more is never
+    used); the full groups take the rest in proportion to a token's bytes in each (no full
+    group: the windowed groups do)."""
+    block_bytes = [g.bytes_per_token * block_size for g in groups]
+    one_pool = pool_bytes // sum(block_bytes)
+    blocks = [group_blocks(g, context, block_size, chunk) for g in groups]  # one sequence in each: the floor
+    rest = pool_bytes - sum(n * b for n, b in zip(blocks, block_bytes))
+    for i, g in enumerate(groups):
+        if g.window is not None:
+            extra = max(0, min((max_num_seqs - 1) * blocks[i], one_pool - blocks[i], rest // block_bytes[i]))
+            blocks[i] += extra
+            rest -= extra * block_bytes[i]
+    takers = [i for i, g in enumerate(groups) if g.window is None] or list(range(len(groups)))
+    weight = sum(block_bytes[i] for i in takers)
+    for i in takers:
+        blocks[i] += rest // weight
+    return [n + (g.window is not None) for n, g in zip(blocks, groups)]  # a windowed group's null block
 
 
 @dataclass(frozen=True)
 class KVPoolPlan:
-    num_blocks: int
+    num_blocks: list[int]  # each group's pool, a windowed group's null block included
     max_model_len: int
     note: str | None  # one line for the log when the context was clamped
 
 
-def plan_kv_pool(bytes_per_token: int, block_size: int, declared_context: int, max_model_len: int | None,
-                 pool_bytes: int | None, max_num_seqs: int, budget: MemoryBudget, share: float = 1.0) -> KVPoolPlan:
-    """The pool's blocks and the context window. A window asked for (`max_model_len`) that the
-    pool cannot hold for one sequence is refused; the model's declared one is clamped to what the
-    pool holds, with a note saying so. Raises InvalidRequestError (one line, naming the limit)."""
+def plan_kv_pool(groups: list[GroupCost], block_size: int, declared_context: int, max_model_len: int | None,
+                 pool_bytes: int | None, max_num_seqs: int, budget: MemoryBudget, share: float = 1.0,
+                 chunk: int = 0) -> KVPoolPlan:
+    """The pools' blocks and the context window. A windowed group counts at its window (`chunk`
+    being the most tokens a step gives a sequence); _split shares the bytes among the groups.
+    A window asked for (`max_model_len`) that the pool cannot hold for one sequence is refused;
+    the model's declared one is clamped to what the pool holds, with a note saying so.
+    Raises InvalidRequestError (one line, naming the limit)."""
     context = min(max_model_len or declared_context, declared_context)
     chosen = pool_bytes is not None
     if not chosen:
-        pool_bytes = default_kv_pool_bytes(bytes_per_token, context, max_num_seqs, budget.pool_limit(share), block_size)
-    num_blocks = pool_bytes // (block_size * bytes_per_token)
+        pool_bytes = default_kv_pool_bytes(groups, context, max_num_seqs, budget.pool_limit(share), block_size, chunk)
     where = "--kv-cache-memory" if chosen else budget.binding()
-    if num_blocks < 1:
+    one_block = sequence_bytes(groups, block_size, block_size, chunk)
+    if pool_bytes < one_block:
         raise InvalidRequestError(f"no room for a KV cache: {pool_bytes >> 20} MiB (set by {where}) is less than one "
-                                  f"block of {block_size} tokens ({block_size * bytes_per_token >> 10} KiB)",
-                                  "kv_cache_memory")
-    capacity = num_blocks * block_size
+                                  f"block of {block_size} tokens ({one_block >> 10} KiB)", "kv_cache_memory")
+    capacity = context
+    if sequence_bytes(groups, context, block_size, chunk) > pool_bytes:  # the longest context in whole blocks that fits
+        lo, hi = 1, -(-context // block_size)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if sequence_bytes(groups, mid * block_size, block_size, chunk) <= pool_bytes else (lo, mid - 1)
+        capacity = lo * block_size
+    num_blocks = _split(groups, pool_bytes, min(capacity, context), block_size, chunk, max_num_seqs)
     if context <= capacity:
         return KVPoolPlan(num_blocks, context, None)
     if max_model_len is not None and max_model_len <= declared_context:

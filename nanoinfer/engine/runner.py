@@ -35,7 +35,7 @@ class ModelRunner:
         self.executor = executor
         self.config = config
         self.cache = cache
-        self.device = cache.k.device
+        self.device = cache.device
         self.attention = backend(layer_params(config), cache)
         # Models that mix in the previous token (nanochat's smear) get its id for every position.
         self.needs_prev_ids = getattr(model, "needs_prev_ids", False)
@@ -45,12 +45,13 @@ class ModelRunner:
         batch.seqs) the logits rows belong to. The attention backend shapes its own
         metadata from the step's AttentionBatch."""
         bs = self.cache.block_size
+        num_groups = len(self.cache.groups)
         ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        slots: list[list[int]] = [[] for _ in range(num_groups)]  # per KV group
         starts = [0]
         seq_lens: list[int] = []
-        tables: list[list[int]] = []
+        tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
         logits_rows: list[int] = []
         rows = StepRows()
         prompt_rows: list[int] = []
@@ -64,11 +65,11 @@ class ModelRunner:
             if self.needs_prev_ids:
                 prev.extend((seq.token_slice(start - 1, start) if start else [-1]) + ids[q_start:-1])
             positions.extend(range(start, start + n))
-            table = seq.kv.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            for g, table in enumerate(seq.kv.block_tables):
+                slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+                tables[g].append(table)
             starts.append(len(ids))
             seq_lens.append(start + n)
-            tables.append(table)
             if start + n - spec == seq.length:  # caught up with its tokens: it samples the next one(s)
                 logits_rows.extend(range(len(ids) - 1 - spec, len(ids)))
                 rows.samplers.extend([i] * (1 + spec))

@@ -13,9 +13,10 @@ the KV pool has no block for a running sequence, the policy names one to preempt
 are freed and it waits again, to be recomputed.
 A paused sequence (its reader has fallen behind) is skipped, wherever it is, and keeps its place.
 
-The scheduler reaches blocks through the KV manager's doors only: allocate_prompt (the
-cached prefix of a new prompt), allocate_slots (room for a step's tokens), fork, free_table,
-seal_full_blocks (name full blocks for later prefix hits) and take_pending_copies.
+The scheduler reaches blocks through the KV manager's doors only (kv_manager.KVCacheManager,
+every KV group at once): allocate_prompt (the cached prefix of a new prompt), allocate_slots
+(room for a step's tokens), fork, free, seal (name full blocks for later prefix hits) and
+take_pending_copies.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from .batch import ScheduledBatch
-from .kv_manager import BlockManager, BlockTier
+from .kv_manager import BlockTier, GroupSpec, KVCacheManager
 from .pacing import StepPacer
 from .policy import SchedulingPolicy, policy_named
 from .sequence import Sequence
@@ -32,7 +33,7 @@ from .sequence import Sequence
 
 @dataclass
 class SchedulerConfig:
-    num_blocks: int
+    num_blocks: int | list[GroupSpec]  # one pool of full-attention blocks, or each KV group's
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     block_size: int = 16
@@ -42,11 +43,13 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, policy: SchedulingPolicy | None = None, tier: BlockTier | None = None):
-        """tier: where full blocks are also kept, past the pool (the persistent prefix cache)."""
+    def __init__(self, config: SchedulerConfig, policy: SchedulingPolicy | None = None,
+                 tiers: list[BlockTier | None] | None = None):
+        """tiers: per KV group, where full blocks are also kept, past the pool (the persistent prefix cache)."""
         self.config = config
         self.policy = policy or policy_named(config.policy)
-        self.blocks = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching, tier)
+        groups = config.num_blocks if isinstance(config.num_blocks, list) else [GroupSpec(None, config.num_blocks)]
+        self.blocks = KVCacheManager(groups, config.block_size, config.enable_prefix_caching, tiers)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -72,7 +75,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence, requeue: bool = True) -> None:
         """Recompute later: drop its KV, keep its tokens (prompt and output so far)."""
-        self.blocks.free_table(seq.kv.block_table)
+        self.blocks.free(seq.kv)
         seq.kv.num_computed = 0
         seq.kv.block_hashes.clear()
         seq.spec.tokens.clear()  # guesses ride only on a decode; it comes back as a prefill
@@ -89,7 +92,7 @@ class Scheduler:
         return seq.length - seq.kv.num_computed <= 1
 
     def _allocate(self, seq: Sequence, n: int) -> bool:
-        return self.blocks.allocate_slots(seq.kv.block_table, seq.kv.num_computed, n) is not None
+        return self.blocks.allocate_slots(seq.kv, n)
 
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
@@ -136,9 +139,8 @@ class Scheduler:
             seq = self.waiting[0]
             if self.num_seats() + 1 + len(seq.forks) > self.config.max_num_seqs:
                 break  # its n-1 forks join the running set after its prefill: they count from now
-            if not seq.kv.block_table:
-                seq.kv.num_computed = self.blocks.allocate_prompt(seq.kv.block_table, seq.all_ids,
-                                                               lookup=not seq.needs_every_position)
+            if not any(seq.kv.block_tables):
+                seq.kv.num_computed = self.blocks.allocate_prompt(seq.kv, seq.all_ids, lookup=not seq.needs_every_position)
             n = min(seq.length - seq.kv.num_computed, budget)
             placed = self._allocate(seq, n)
             # A paused sequence's blocks are the first to give up for one that can run.
@@ -151,7 +153,7 @@ class Scheduler:
                 # alone and still no room: the pool is smaller than this prompt chunk
                 n = 0 if self.running else self._shrink_to_fit(seq, n)
                 if n == 0:
-                    self.blocks.free_table(seq.kv.block_table)  # give back prefix hits; retry next step
+                    self.blocks.free(seq.kv)  # give back prefix hits; retry next step
                     seq.kv.num_computed = 0
                     break
             self.waiting.popleft()
@@ -175,13 +177,11 @@ class Scheduler:
         them, or proposed tokens were accepted)."""
         seq.kv.num_computed += n
         if self.blocks.enable_prefix_caching and seq.kv.num_computed // self.blocks.block_size > len(seq.kv.block_hashes):
-            self.blocks.seal_full_blocks(seq.kv.block_table, seq.all_ids, seq.kv.num_computed, seq.kv.block_hashes)
+            self.blocks.seal(seq.kv, seq.all_ids)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """A sample of the same prompt joins the running set, sharing the parent's blocks."""
-        child.kv.block_table = self.blocks.fork(parent.kv.block_table)
-        child.kv.block_hashes = list(parent.kv.block_hashes)
-        child.kv.num_computed = parent.kv.num_computed
+        self.blocks.fork(parent.kv, child.kv)
         child.sched.priority, child.sched.arrival = parent.sched.priority, parent.sched.arrival
         child.stats.forwards = list(parent.stats.forwards)
         self.running.append(child)
@@ -195,7 +195,7 @@ class Scheduler:
         return 0
 
     def finish(self, seq: Sequence) -> None:
-        self.blocks.free_table(seq.kv.block_table)
+        self.blocks.free(seq.kv)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -21,9 +21,17 @@ class KVPlacement:
     """Where a sequence's keys and values are: written by the scheduler through the KV
     manager, read by the runner (and the draft model's copy of a sequence has its own)."""
 
-    block_table: list[int] = field(default_factory=list)
+    # one block table per KV group (attention/kv_cache.py), indexed alike by logical block; empty
+    # until the KV manager first places the sequence
+    block_tables: list[list[int]] = field(default_factory=list)
     num_computed: int = 0  # leading tokens whose keys and values are in the cache
     block_hashes: list[bytes] = field(default_factory=list)  # prefix hashes of its full blocks
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first group's table: the full-attention layers' (a model's only group unless some
+        layers have a sliding window shorter than the context)."""
+        return self.block_tables[0] if self.block_tables else []
 
 
 @dataclass

@@ -18,6 +18,7 @@ from . import cpu_kernels, quant
 from .routed_experts import RoutedExperts, RoutedExpertsStruct
 
 _MAX_PARTS = 3  # kMaxParts in csrc/decoder_stack.cpp
+_MAX_KV_GROUPS = 4  # kMaxKVGroups
 _p, _i, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
@@ -31,7 +32,7 @@ class _Linear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("in_norm", _p), ("post_norm", _p), ("q_norm", _p), ("k_norm", _p), ("qkv", _Linear), ("o", _Linear),
-                ("gate_up", _Linear), ("down", _Linear), ("k_cache", _p), ("v_cache", _p), ("window", _i),
+                ("gate_up", _Linear), ("down", _Linear), ("k_cache", _p), ("v_cache", _p), ("kv_group", _i), ("window", _i),
                 ("scale", _f), ("softcap", _f), ("rope", _i), ("attn_out_norm", _p), ("mlp_out_norm", _p),
                 ("act", _i), ("post_norm_layout", _i), ("qk_norm_whole", _i),
                 ("moe", ctypes.POINTER(RoutedExpertsStruct))]
@@ -44,9 +45,9 @@ class _Model(ctypes.Structure):
 
 
 class _Step(ctypes.Structure):
-    _fields_ = [("T", _i), ("path", _i), ("x", _p), ("residual", _p), ("cos", _p), ("sin", _p), ("slots", _p),
-                ("rows", _p), ("tables", _p), ("ctx", _p), ("width", _i), ("max_ctx", _i), ("cos_local", _p),
-                ("sin_local", _p)]
+    _fields_ = [("T", _i), ("path", _i), ("x", _p), ("residual", _p), ("cos", _p), ("sin", _p),
+                ("slots", _p * _MAX_KV_GROUPS), ("tables", _p * _MAX_KV_GROUPS), ("rows", _p), ("ctx", _p),
+                ("width", _i), ("max_ctx", _i), ("cos_local", _p), ("sin_local", _p)]
 
 
 # LinearWeights' type of an fp32 weight in the packed GEMM's panels (cpu_kernels.pack_f32, as an
@@ -78,6 +79,7 @@ class LayerWeights:
     down: LinearWeights
     k_cache: torch.Tensor  # this layer's [blocks, block_size, Hkv, D'], fp32, bf16 or q8_0 (uint8)
     v_cache: torch.Tensor
+    kv_group: int  # its KV group (attention/kv_cache.py): which of a step's slot and table sets it reads
     window: int | None
     scale: float
     softcap: float | None
@@ -108,6 +110,8 @@ def supported(layers: list[LayerWeights]) -> bool:
         if any(t.dtype != torch.float32 or not t.is_contiguous() for t in norms):
             return False
         if lw.k_cache.dtype not in KV_FORMATS or lw.v_cache.dtype != lw.k_cache.dtype:
+            return False
+        if not 0 <= lw.kv_group < _MAX_KV_GROUPS:
             return False
         if lw.moe is not None and (lw.gate_up.parts or lw.down.parts):
             return False
@@ -148,7 +152,7 @@ class DecoderStack:
                 lw.q_norm.data_ptr() if lw.q_norm is not None else None,
                 lw.k_norm.data_ptr() if lw.k_norm is not None else None,
                 _linear(lw.qkv), _linear(lw.o), _linear(lw.gate_up), _linear(lw.down),
-                lw.k_cache.data_ptr(), lw.v_cache.data_ptr(), lw.window or 0, lw.scale, lw.softcap or 0.0,
+                lw.k_cache.data_ptr(), lw.v_cache.data_ptr(), lw.kv_group, lw.window or 0, lw.scale, lw.softcap or 0.0,
                 lw.rope, lw.attn_out_norm.data_ptr() if lw.attn_out_norm is not None else None,
                 lw.mlp_out_norm.data_ptr() if lw.mlp_out_norm is not None else None, ACTS[lw.act],
                 int(lw.post_norm_layout), int(lw.qk_norm_whole),
@@ -159,12 +163,14 @@ class DecoderStack:
                              ctypes.cast(table, ctypes.POINTER(_Layer)), eps, self.rotary_dims)
         self._model_ref = ctypes.byref(self._model)
 
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
-            tables: torch.Tensor, ctx: torch.Tensor, max_ctx: int, cos_local: torch.Tensor | None = None,
-            sin_local: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: list[torch.Tensor],
+            rows: torch.Tensor, tables: list[torch.Tensor], ctx: torch.Tensor, max_ctx: int,
+            cos_local: torch.Tensor | None = None, sin_local: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the embeddings [T, hidden] fp32; cos, sin [T, 1, rotary_dims / 2] fp32; then the
-        paged attention metadata of T one-row queries (the step's slots, each row's block
-        table, context and the largest context), as the CPU attention backend prepares it.
+        paged attention metadata of T one-row queries (per KV group the step's slots and each
+        row's block table; each row's context and the largest context), as the CPU attention
+        backend prepares it.
         Returns the last layer's output and the residual stream, as the layer modules' loop does."""
         T = x.shape[0]
         x = x.contiguous().clone()  # the call writes its output over its input
@@ -176,10 +182,14 @@ class DecoderStack:
             assert cos_local is not None and sin_local is not None, "layers on the local rotary need its tables"
             cos_local, sin_local = cos_local.contiguous(), sin_local.contiguous()
             assert cos_local.dtype == sin_local.dtype == torch.float32 and cos_local.shape == cos.shape == sin_local.shape
-        for t in (slots, rows, tables, ctx):
+        assert len(slots) == len(tables) <= _MAX_KV_GROUPS and max(lw.kv_group for lw in self.layers) < len(slots)
+        for t in (*slots, rows, *tables, ctx):
             assert t.dtype == torch.int64 and t.is_contiguous() and t.shape[0] == T
+        assert all(t.shape[1] == tables[0].shape[1] for t in tables)
         step = _Step(T, quant.current_path(), x.data_ptr(), residual.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                     slots.data_ptr(), rows.data_ptr(), tables.data_ptr(), ctx.data_ptr(), tables.shape[1], max_ctx,
+                     (_p * _MAX_KV_GROUPS)(*(t.data_ptr() for t in slots)),
+                     (_p * _MAX_KV_GROUPS)(*(t.data_ptr() for t in tables)),
+                     rows.data_ptr(), ctx.data_ptr(), tables[0].shape[1], max_ctx,
                      cos_local.data_ptr() if cos_local is not None else None,
                      sin_local.data_ptr() if sin_local is not None else None)
         rc = cpu_kernels.library().decoder_stack(self._model_ref, ctypes.byref(step))

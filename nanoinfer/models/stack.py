@@ -10,7 +10,7 @@ backend that declares `fused_stack` (an allow-list: the CPU paged-attention back
 kernel and metadata the stack shares), fp32 activations.
 Otherwise the modules run one by one, computing the same bits.
 
-One stack per KV cache: it holds the cache's per-layer tensors."""
+One stack per KV cache: it holds the cache's per-layer tensors and each layer's KV group."""
 from __future__ import annotations
 
 import torch
@@ -78,7 +78,7 @@ def _build(model: nn.Module, attention: AttentionBackend) -> DecoderStack | None
         layers.append(LayerWeights(
             None if post else layer.input_layernorm.weight.detach(),
             None if post else before_mlp.weight.detach(), *linears,
-            attention.cache.k[i], attention.cache.v[i], p.window, p.scale, p.softcap,
+            *attention.cache.layer(i), attention.cache.group_of(i), p.window, p.scale, p.softcap,
             attn.q_norm.weight.detach() if attn.q_norm is not None else None,
             attn.k_norm.weight.detach() if attn.k_norm is not None else None, rope,
             layer.post_attention_layernorm.weight.detach() if sandwich or post else None,

@@ -60,8 +60,8 @@ def create_app(engine: LLMEngine, config: ServerConfig, routes: Sequence[Route] 
         finally:
             # uvicorn has already waited for (or cancelled) in-flight requests; abort what is left.
             await asyncio.to_thread(async_engine.shutdown, 1.0)
-            if engine.disk_cache is not None:  # the persistent prefix cache's last blocks onto disk
-                await asyncio.to_thread(engine.disk_cache.close)
+            for disk in engine.disk_caches:  # the persistent prefix cache's last blocks onto disk
+                await asyncio.to_thread(disk.close)
             logger.info("engine thread stopped")
 
     # No /docs: Swagger UI loads from a CDN, and this server loads nothing from outside.

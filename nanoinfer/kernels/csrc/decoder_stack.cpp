@@ -20,7 +20,9 @@
 //
 // Layouts: x, residual [T, hidden] fp32; cos, sin [T, D / 2]; the caches one layer each,
 // [blocks, block_size, Hkv, D] fp32 or bf16 (or q8_0 blocks, common.h's Q8); slots [T], rows [T], tables [T, width], ctx [T]
-// as the CPU attention backend's metadata (every row a one-row query over the cache).
+// as the CPU attention backend's metadata (every row a one-row query over the cache); slots
+// and tables one set per KV group (attention/kv_cache.py: each group's pool has its own block
+// ids), a layer reading its group's.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -32,6 +34,7 @@
 namespace {
 
 constexpr int kMaxParts = 3;
+constexpr int kMaxKVGroups = 4;  // _MAX_KV_GROUPS in kernels/decoder_stack.py
 // StackPart.qtype of an fp32 weight in the packed GEMM's panels (packed_gemm.cpp), as the
 // fp32 model's PackedLinear holds it: not a GGML type, so below every GGML id.
 constexpr int64_t kPackedF32 = -1;
@@ -53,6 +56,7 @@ struct StackLayer {
     const float *in_norm, *post_norm, *q_norm, *k_norm;  // q_norm, k_norm: [D] or null
     StackLinear qkv, o, gate_up, down;
     void *k_cache, *v_cache;
+    int64_t kv_group;  // which of the step's slot and table sets its cache's block ids are
     int64_t window;  // 0: none
     float scale, softcap;
     int64_t rope;  // 0: no rotary in this layer (SmolLM3's NoPE layers); 2: the local tables (Gemma's windowed layers)
@@ -80,7 +84,9 @@ struct StackStep {
     float* x;         // in: the embeddings; out: the last layer's output
     float* residual;  // out: the residual stream it adds to
     const float *cos, *sin;
-    const int64_t *slots, *rows, *tables, *ctx;
+    const int64_t* slots[kMaxKVGroups];
+    const int64_t* tables[kMaxKVGroups];
+    const int64_t *rows, *ctx;
     int64_t width, max_ctx;
     const float *cos_local, *sin_local;  // the windowed layers' own rotary tables (rope == 2), or null
 };
@@ -150,6 +156,7 @@ extern "C" int decoder_stack(const StackModel* m, const StackStep* s) {
     for (int64_t l = 0; l < m->num_layers; l++) {
         const StackLayer& L = m->layers[l];
         if (width_of(L.qkv) != QKV || width_of(L.o) != E) return 1;
+        if (L.kv_group < 0 || L.kv_group >= kMaxKVGroups || !s->slots[L.kv_group] || !s->tables[L.kv_group]) return 1;
         if (L.moe ? L.moe->hidden != E || L.gate_up.nparts || L.down.nparts
                   : width_of(L.gate_up) != 2 * I || width_of(L.down) != E)
             return 1;
@@ -245,12 +252,12 @@ extern "C" int decoder_stack(const StackModel* m, const StackStep* s) {
                     if (rot_k)  // a q8_0 cache holds rotated keys: the queries turn alike (common.h)
                         for (int64_t hd = 0; hd < H; hd++) hadamard_blocks(qk + hd * D, D, rot_k);
                     std::memcpy(q + t * H * D, qk, sizeof(float) * H * D);
-                    store_row(L.k_cache, kv_format, s->slots[t], qk + H * D, Hkv, D, rot_k);
-                    store_row(L.v_cache, kv_format, s->slots[t], row + (H + Hkv) * D, Hkv, D, rot_v);
+                    store_row(L.k_cache, kv_format, s->slots[L.kv_group][t], qk + H * D, Hkv, D, rot_k);
+                    store_row(L.v_cache, kv_format, s->slots[L.kv_group][t], row + (H + Hkv) * D, Hkv, D, rot_v);
                 }
 #pragma omp single
                 nanoinfer::attention_plan(s->ctx, T, L.window, offset);
-                nanoinfer::attention_team_f32(q, s->rows, L.k_cache, L.v_cache, int(kv_format), s->tables, s->width, s->ctx, att,
+                nanoinfer::attention_team_f32(q, s->rows, L.k_cache, L.v_cache, int(kv_format), s->tables[L.kv_group], s->width, s->ctx, att,
                                               T, H, Hkv, D, m->block_size, L.window, s->max_ctx, L.scale, L.softcap,
                                               offset, units, sc);
                 if (rot_v) {  // the sum of rotated values, turned back
