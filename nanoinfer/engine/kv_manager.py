@@ -283,11 +283,9 @@ class KVCacheManager:
         return max(0, position - window + 1) // self.block_size
 
     def _longest_hit(self, hashes: list[bytes]) -> int:
-        """The most leading blocks every group can give (module docstring)."""
-        m = len(hashes)
-        for spec, group in zip(self.specs, self.groups):
-            if spec.window is None:
-                m = next((i for i, h in enumerate(hashes[:m]) if not group.has(h)), m)
+        """The most leading blocks of `hashes` (all held by the full groups) that every windowed
+        group can give too (the class docstring)."""
+        m = len(hashes)  # the full groups hold all of them (allocate_prompt)
         while m > 0 and not all(
                 all(group.has(hashes[i]) for i in range(self._window_start(spec.window, m * self.block_size), m))
                 for spec, group in zip(self.specs, self.groups) if spec.window is not None):
@@ -303,24 +301,29 @@ class KVCacheManager:
         kv.block_tables = [[] for _ in self.groups]
         bs, m = self.block_size, 0
         if lookup and self.enable_prefix_caching:
+            full = [g for spec, g in zip(self.specs, self.groups) if spec.window is None]
             hashes, parent = [], None
-            for i in range((len(tokens) - 1) // bs):
+            for i in range((len(tokens) - 1) // bs):  # the chain as far as every full group holds it
                 parent = block_hash(parent, tokens[i * bs:(i + 1) * bs])
+                if not all(g.has(parent) for g in full):
+                    break
                 hashes.append(parent)
+            from_tier: set[int] = set()  # logical blocks read back from the second tier (in any group)
             while True:  # a block can fail to come (a tier's gone or corrupt, no free block): then a shorter prefix
                 m = self._longest_hit(hashes)
-                failed = self._take_prefix(kv, hashes, m)
+                failed = self._take_prefix(kv, hashes, m, from_tier)
                 if failed is None:
                     break
                 hashes = hashes[:failed]
+            self.stats.tier_hits += sum(i < m for i in from_tier) * bs
         self.stats.prefix_queries += len(tokens)
         self.stats.prefix_hits += m * bs
         return m * bs
 
-    def _take_prefix(self, kv: KVPlacement, hashes: list[bytes], m: int) -> int | None:
+    def _take_prefix(self, kv: KVPlacement, hashes: list[bytes], m: int, from_tier: set[int]) -> int | None:
         """References to the m-block prefix in every group's table: None, or the logical block
-        that could not be had (then nothing is kept)."""
-        from_tier: set[int] = set()  # logical blocks read back from the second tier (in any group)
+        that could not be had (then nothing is kept; blocks read from the tier stay cached, and
+        their indices in `from_tier`)."""
         for spec, group, table in zip(self.specs, self.groups, kv.block_tables):
             first = 0 if spec.window is None else self._window_start(spec.window, m * self.block_size)
             table.extend([NULL_BLOCK] * first)
@@ -334,7 +337,6 @@ class KVCacheManager:
                 if not in_memory:
                     from_tier.add(i)
                 table.append(bid)
-        self.stats.tier_hits += len(from_tier) * self.block_size
         return None
 
     def allocate_slots(self, kv: KVPlacement, num_tokens: int) -> bool:
