@@ -137,22 +137,25 @@ class BlockManager:
             self.free[bid] = None  # most recently freed: evicted last
 
     def allocate_slots(self, table: list[int], num_computed: int, num_tokens: int) -> list[int] | None:
-        """The scheduler's door for a step (vLLM v1's name): room in `table` for num_tokens more
-        tokens after the first num_computed, copying the block written into first if it is
-        shared. Returns the blocks newly placed in the table, or None, with nothing changed,
-        when the pool has too few free blocks."""
-        idx = num_computed // self.block_size
-        cow = idx < len(table) and self.is_shared(table[idx])
-        need = max(0, self.blocks_needed(num_computed + num_tokens) - len(table)) + cow
-        if need > self.num_free:
+        """Room in `table` for num_tokens more tokens after the first num_computed, copying the
+        block written into first if it is shared. Returns the blocks newly placed in the table,
+        or None, with nothing changed, when the pool has too few free blocks."""
+        if self.blocks_to_place(table, num_computed, num_tokens) > self.num_free:
             return None
+        idx = num_computed // self.block_size
         new = []
-        if cow:
+        if idx < len(table) and self.is_shared(table[idx]):
             self.prepare_write(table, num_computed)
             new.append(table[idx])
         first = len(table)
         self.ensure_slots(table, num_computed + num_tokens)
         return new + table[first:]
+
+    def blocks_to_place(self, table: list[int], num_computed: int, num_tokens: int) -> int:
+        """Free blocks allocate_slots takes: the new ones, and a copy of a shared block written into."""
+        idx = num_computed // self.block_size
+        cow = idx < len(table) and self.is_shared(table[idx])
+        return max(0, self.blocks_needed(num_computed + num_tokens) - len(table)) + cow
 
     def ensure_slots(self, table: list[int], num_tokens: int) -> None:
         """Grow `table` to hold num_tokens tokens (the caller checked there is room)."""
@@ -184,7 +187,7 @@ class BlockManager:
                 self.tier.offer(h, bid)
 
     def lookup(self, h: bytes) -> int | None:
-        """The block named h, here or (held) in the tier: its id, or None."""
+        """The block named h in this pool (not the tier): its id, or None."""
         return self.cached.get(h)
 
     def has(self, h: bytes) -> bool:
@@ -345,21 +348,18 @@ class KVCacheManager:
         no longer read. False, with no block taken, when a pool has too few free blocks."""
         if not kv.block_tables:
             kv.block_tables = [[] for _ in self.groups]
-        start, end = kv.num_computed, kv.num_computed + num_tokens
+        start = kv.num_computed
         for spec, group, table in zip(self.specs, self.groups, kv.block_tables):
             if spec.window is not None:
                 group.slide(table, max(0, start - spec.window + 1))
-        if not all(self._need(group, table, start, end) <= group.num_free
+        if not all(group.blocks_to_place(table, start, num_tokens) <= group.num_free
                    for group, table in zip(self.groups, kv.block_tables)):
             return False
         for group, table in zip(self.groups, kv.block_tables):
-            assert group.allocate_slots(table, start, num_tokens) is not None
+            placed = group.allocate_slots(table, start, num_tokens)
+            if placed is None:  # cannot happen: every group's room was checked above
+                raise RuntimeError("KV manager: a group's free blocks changed while placing a step")
         return True
-
-    def _need(self, group: BlockManager, table: list[int], start: int, end: int) -> int:
-        idx = start // self.block_size
-        cow = idx < len(table) and group.is_shared(table[idx])
-        return max(0, self.blocks_needed(end) - len(table)) + cow
 
     def free(self, kv: KVPlacement) -> None:
         for group, table in zip(self.groups, kv.block_tables):
