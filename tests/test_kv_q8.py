@@ -56,18 +56,36 @@ def test_blocks_are_ggml_q8_0_and_both_quantisers_agree():
     x[2, 2, :] = 1e-6
     x[3, 0, 7] = 60000.0
     x[4, 1, :32] = torch.linspace(-3.5, 3.5, 32) * (1 / 127) * 3.5  # values at half steps: ties to even
+    x[5, 0, :] = torch.randn(64, generator=g) * 1e-5  # fp16-subnormal scales, coarser than the candidates
+    x[6, 2, 3] = 2e7  # a scale past fp16's range (inf): the same bytes from both
     stored = kv_cache.quantize_q8(x)
     assert stored.shape == (400, 3, 68) and stored.dtype == torch.uint8
     if cpu_kernels.library() is not None:
         assert torch.equal(cpu_kernels.kv_quantize_q8(x), stored)
+    x[6, 2, 3] = 0.0
+    stored = kv_cache.quantize_q8(x)
     back = kv_cache.read(stored, torch.float32)
     ggml = gguf.quants.dequantize(stored.reshape(-1, 34).numpy(), gguf.GGMLQuantizationType.Q8_0)
     assert np.array_equal(back.numpy().reshape(-1), ggml.reshape(-1))  # GGML's layout and values
-    d = x.reshape(400, 3, 2, 32).abs().amax(-1, keepdim=True) / 127
-    err = (back - x).reshape(400, 3, 2, 32).abs()
-    # half a step, plus |q| <= 127 times the scale's fp16 rounding (relative 2^-11, or 2^-25 where subnormal)
-    assert (err <= d * 0.5 * (1 + 2 ** -10) + 127 * (d * 2 ** -11 + 2 ** -25)).all()
+    xb, bb = x.reshape(400, 3, 2, 32), back.reshape(400, 3, 2, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    d16 = stored.reshape(400, 3, 2, 34)[..., :2].contiguous().view(torch.float16).float()
+    # the scale is one of the candidates, max|x| / n for n in 127 .. 120 (as fp16: relative 2^-11, 2^-25 where subnormal)
+    assert ((d16 >= amax / 127 * (1 - 2 ** -11) - 2 ** -25) & (d16 <= amax / 120 * (1 + 2 ** -11) + 2 ** -25)).all()
+    err = (bb - xb).abs()
+    # half a step of the chosen scale, plus, where the scale is fp16-subnormal, what its rounding clips
+    assert (err <= d16 * 0.5 * (1 + 2 ** -10) + 127 * 2 ** -25).all()
     assert torch.equal(back[0, 0, :32], torch.zeros(32))
+    # no candidate has a smaller squared error (up to the 1/4096-step rounding of the comparison)
+    errs = []
+    for n in kv_cache.Q8_SCALE_DIVISORS:
+        d = (amax * torch.tensor(1 / n, dtype=torch.float32)).half().float()
+        q = torch.round(xb * torch.where(d > 0, 1 / d, torch.zeros(()))).clamp(-127, 127)
+        errs.append(((q * d).double() - xb.double()).pow(2).sum(-1))
+    chosen = (bb.double() - xb.double()).pow(2).sum(-1)
+    assert (chosen <= torch.stack(errs).amin(0) * (1 + 1e-3) + d16.double().squeeze(-1) ** 2 * 2 ** -10).all()
+    # and the search pays: over a tenth less squared error than the single scale max|x| / 127 (the first candidate)
+    assert kv_cache.Q8_SCALE_DIVISORS[0] == 127 and chosen.sum() < 0.9 * errs[0].sum()
 
 
 def prompt(n: int, seed: int) -> list[int]:

@@ -90,8 +90,24 @@ inline void hadamard_blocks(float* x, int64_t D, int64_t n) {
     }
 }
 
-// One head's n values (a multiple of 32) as q8_0 blocks: d = max|x| / 127 (fp32, stored as
-// fp16), q = round-half-even(x * 127 / max|x|), as kv_cache.quantize_q8 computes them.
+// The q8_0 cache's candidate scales for a block (attention/kv_cache.py, Q8_SCALE_DIVISORS):
+// d = max|x| / n for n = 127, 126.5, ..., 120, as fp32 factors 1 / n (rounded from double, as
+// Python rounds them).
+constexpr int kQ8Candidates = 15;
+struct Q8Factors {
+    float f[kQ8Candidates];
+    constexpr Q8Factors() : f() {
+        for (int j = 0; j < kQ8Candidates; j++) f[j] = float(1.0 / (127.0 - 0.5 * j));
+    }
+};
+constexpr Q8Factors kQ8Factors{};
+
+// One head's n values (a multiple of 32) as q8_0 blocks, as kv_cache.quantize_q8 computes them.
+// Per block, each candidate scale d16 = fp16(max|x| * (1 / n)) quantises q = round-half-even(x *
+// (1 / d16)), clamped to +-127, and is scored by its squared error d16^2 * sum(f^2), f = q - x *
+// (1 / d16), the step's fraction (exact in fp32), rounded to 1/4096: whole numbers in doubles, so the
+// sum and the products are exact whatever order the compiler adds them in (-ffast-math), and
+// PyTorch's sum gives the same bits. The smallest error wins, the first of equals.
 inline void q8_quantize_row(const float* x, int64_t n, Q8* out) {
     for (int64_t b = 0; b < n / kQ8Block; b++) {
         const float* xb = x + b * kQ8Block;
@@ -99,9 +115,25 @@ inline void q8_quantize_row(const float* x, int64_t n, Q8* out) {
         uint32_t abits = 0;
         for (int64_t i = 0; i < kQ8Block; i++) abits = std::max(abits, f32_bits(xb[i]) & 0x7fffffffu);
         const float amax = f32_from(abits);
-        const float id = amax > 0.f ? 127.f / amax : 0.f;
-        const uint16_t d = float_to_half(amax * (1.f / 127.f));
-        std::memcpy(ob, &d, 2);
+        uint16_t best = float_to_half(amax * kQ8Factors.f[0]);
+        double best_err = INFINITY;  // (a NaN error, from an infinite scale, never wins)
+        for (int j = 0; j < kQ8Candidates; j++) {
+            const uint16_t h = float_to_half(amax * kQ8Factors.f[j]);
+            const float d = half_to_float(h), id = d > 0.f ? 1.f / d : 0.f;
+            double sum = 0.;
+            for (int64_t i = 0; i < kQ8Block; i++) {
+                const float r = xb[i] * id, q = std::max(-127.f, std::min(127.f, std::nearbyint(r)));
+                const double f = std::nearbyint((q - r) * 4096.f);
+                sum += f * f;
+            }
+            const double err = double(d) * double(d) * sum;
+            if (err < best_err) {
+                best_err = err;
+                best = h;
+            }
+        }
+        std::memcpy(ob, &best, 2);
+        const float d = half_to_float(best), id = d > 0.f ? 1.f / d : 0.f;
         for (int64_t i = 0; i < kQ8Block; i++) {
             const float v = std::nearbyint(xb[i] * id);
             ob[2 + i] = uint8_t(int8_t(std::max(-127.f, std::min(127.f, v))));
