@@ -221,10 +221,10 @@ class BlockManager:
             self._unref(bid)
         table.clear()
 
-    def slide(self, table: list[int], first_needed: int) -> None:
-        """A windowed group: blocks wholly before position `first_needed` given back, the null
-        block in their place."""
-        for i in range(min(first_needed // self.block_size, len(table))):
+    def slide(self, table: list[int], first_block: int) -> None:
+        """A windowed group: the blocks before logical block `first_block` (no longer in the
+        window) given back, the null block in their place."""
+        for i in range(min(first_block, len(table))):
             if table[i] != NULL_BLOCK:
                 self._unref(table[i])
                 table[i] = NULL_BLOCK
@@ -276,9 +276,6 @@ class KVCacheManager:
     @property
     def num_used(self) -> int:
         return sum(g.num_used for g in self.groups)
-
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
 
     # --- the doors ----------------------------------------------------------------------
     def _window_start(self, window: int, position: int) -> int:
@@ -351,7 +348,7 @@ class KVCacheManager:
         start = kv.num_computed
         for spec, group, table in zip(self.specs, self.groups, kv.block_tables):
             if spec.window is not None:
-                group.slide(table, max(0, start - spec.window + 1))
+                group.slide(table, self._window_start(spec.window, start))
         if not all(group.blocks_to_place(table, start, num_tokens) <= group.num_free
                    for group, table in zip(self.groups, kv.block_tables)):
             return False
