@@ -144,16 +144,17 @@ RowsFn pick(int qtype, int path) {
 
 // The weight rows in chunks of NCHUNK, split among the threads (each output is computed by
 // exactly one call, whatever the split). Decode-sized batches take every activation tile
-// for one weight row (a repacked group: 8) while it is in L1; larger ones sweep a chunk of
-// rows (kept in L1/L2) per tile of activation rows.
+// for a few weight rows (8, or two repacked groups: 16) while they are in L1/L2; larger ones
+// sweep a chunk of rows (kept in L1/L2) per tile of activation rows.
 void drive_chunk(const Ctx& c, RowsFn fn, int64_t ch) {
     const int64_t n0 = ch * NCHUNK, n1 = std::min(c.N, n0 + NCHUNK);
     if (c.M <= 2 * MT) {
-        for (int64_t n = n0; n < n1; n += 8)
+        const int64_t step = c.grouped ? 2 * kGroup : 8;  // two repacked groups: the AVX-512 K-quant tile's 16 rows
+        for (int64_t n = n0; n < n1; n += step)
             for (int64_t m0 = 0; m0 < c.M; m0 += MT)
-                fn(c, n, int(std::min<int64_t>(8, n1 - n)), m0, int(std::min<int64_t>(MT, c.M - m0)));
+                fn(c, n, int(std::min<int64_t>(step, n1 - n)), m0, int(std::min<int64_t>(MT, c.M - m0)));
     } else {
-        const int64_t step = c.grouped ? 8 : 2;
+        const int64_t step = c.grouped ? 2 * kGroup : 2;
         for (int64_t m0 = 0; m0 < c.M; m0 += MT)
             for (int64_t n = n0; n < n1; n += step)
                 fn(c, n, int(std::min<int64_t>(step, n1 - n)), m0, int(std::min<int64_t>(MT, c.M - m0)));

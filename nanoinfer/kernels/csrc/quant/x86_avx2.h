@@ -72,9 +72,26 @@ struct GroupRows {
     }
 };
 
-// The next `bytes` of a streamed weight, kPrefetch ahead.
+// How far ahead of what it reads a decode-sized call prefetches the weights (bytes; the rows
+// of a chunk are contiguous, so this runs into the rows that follow), as measured on batch-1
+// decode. The repacked block tiles (all linears of Qwen2.5-Coder 1.5B Q4_K_M, weights from
+// DRAM), by CPU vendor: AMD Zen 3 8 KiB (the hardware prefetcher alone left it at 11-15 GB/s
+// of a memory that streams 19; 2 KiB: +12%, 8 KiB: +25% tok/s, 32 KiB: worse again); an
+// Intel Xeon with AVX-512 512 B (49 ms against 66 at 8 KiB and 52 with none: there the far
+// prefetches hold the line fill buffers that the loads wait for). The float rows (F32 experts
+// of a Qwen3-MoE) 8 KiB on both (on the Xeon 7.7 ms a step against 8.7 at 512 B).
+inline int64_t group_prefetch_distance() {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return 8192;
+    const bool intel = b == 0x756e6547 && d == 0x49656e69 && c == 0x6c65746e;  // "GenuineIntel"
+    return intel ? 512 : 8192;
+}
+const int64_t kPrefetchGroups = group_prefetch_distance();
+constexpr int64_t kPrefetchFloats = 8192;
+
+// The next `bytes` of a streamed repacked weight, kPrefetchGroups ahead.
 QG_AVX2 inline void prefetch_ahead(const uint8_t* p, int bytes) {
-    for (int o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch + o), _MM_HINT_T0);
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchGroups + o), _MM_HINT_T0);
 }
 
 // Vector v of a 4- or 5-bit group block as unsigned bytes: lo holds values 4v..4v+3 of each row,
@@ -179,6 +196,16 @@ alignas(32) const uint8_t kPair16[2][32] = {
 alignas(32) const uint8_t kPairHi16[2][32] = {
     {QG_LANES(0x80, 0, 0x80, 1), QG_LANES(0x80, 0, 0x80, 1)}, {QG_LANES(0x80, 2, 0x80, 3), QG_LANES(0x80, 2, 0x80, 3)},
 };
+alignas(32) const uint8_t kByte32[4][32] = {  // byte k as the lane's int32, zero-extended
+#define QG_B(k) {QG_LANES(k, 0x80, 0x80, 0x80), QG_LANES(k, 0x80, 0x80, 0x80)}
+    QG_B(0), QG_B(1), QG_B(2), QG_B(3),
+#undef QG_B
+};
+alignas(32) const uint8_t kByteHi32[4][32] = {  // byte k in the lane's top byte (an arithmetic shift sign-extends it)
+#define QG_B(k) {QG_LANES(0x80, 0x80, 0x80, k), QG_LANES(0x80, 0x80, 0x80, k)}
+    QG_B(0), QG_B(1), QG_B(2), QG_B(3),
+#undef QG_B
+};
 #undef QG_LANES
 
 QG_AVX2 inline __m256i pick_bytes(__m256i v, const uint8_t* pattern) {
@@ -191,6 +218,104 @@ QG_AVX2 inline __m256i qh_bit(__m256i h, int j) {
     return _mm256_and_si256(b, _mm256_set1_epi8(16));
 }
 
+// The activation rows of a K-quant tile (row i is m0 + i): values, scales, the sums per 16 values.
+template <int R>
+struct KActs {
+    const int8_t* xq[R];
+    const float* xd[R];
+    const int16_t* xb[R];
+    QG_AVX2 KActs(const Ctx& c, int64_t m0) {
+        for (int i = 0; i < R; i++) {
+            xq[i] = c.q + (m0 + i) * c.K;
+            xd[i] = c.d + (m0 + i) * c.nb;
+            xb[i] = c.bs + (m0 + i) * c.nb * 16;
+        }
+    }
+};
+
+// The 6-bit scales and mins of a Q4_K / Q5_K group block, 8 rows at once (kscales on 32-bit
+// lanes): lane j of sc_lo holds row j's scales 0..3 as bytes, sc_hi 4..7; the same for the mins.
+struct KScales {
+    __m256i sc_lo, sc_hi, mn_lo, mn_hi;
+    KScales() = default;
+    QG_AVX2 explicit KScales(const uint8_t* sc) {
+        const __m256i A = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc));
+        const __m256i B = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 32));
+        const __m256i C = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + 64));
+        const __m256i m6 = _mm256_set1_epi8(0x3f), m2 = _mm256_set1_epi8(3), low = _mm256_set1_epi8(15);
+        sc_lo = _mm256_and_si256(A, m6), mn_lo = _mm256_and_si256(B, m6);
+        sc_hi = _mm256_or_si256(_mm256_and_si256(C, low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(A, 6), m2), 4));
+        mn_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(C, 4), low),
+                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(B, 6), m2), 4));
+    }
+    // sub-block j's scale as an int16 pair per lane (for vpmaddwd) / as the lane's int32
+    QG_AVX2 __m256i scale16(int j) const { return pick_bytes(j < 4 ? sc_lo : sc_hi, kByte16[j & 3]); }
+    QG_AVX2 __m256i scale32(int j) const { return pick_bytes(j < 4 ? sc_lo : sc_hi, kByte32[j & 3]); }
+};
+
+// Q4_K, Q5_K: each row's sum_j m_j * (the sum of x over sub-block j), the integer the mins take
+// off (times dmin * d_x).
+template <int R>
+QG_AVX2 inline void k_min_sums(const KScales& ks, const KActs<R>& x, int64_t b, __m256i* ms) {
+    const __m256i mp[4] = {pick_bytes(ks.mn_lo, kPair16[0]), pick_bytes(ks.mn_lo, kPair16[1]), pick_bytes(ks.mn_hi, kPair16[0]),
+                           pick_bytes(ks.mn_hi, kPair16[1])};
+    for (int i = 0; i < R; i++) {
+        ms[i] = _mm256_setzero_si256();
+        for (int p = 0; p < 4; p++)
+            ms[i] = _mm256_add_epi32(ms[i], _mm256_madd_epi16(mp[p], bcast4(reinterpret_cast<const int8_t*>(x.xb[i] + b * 16 + 2 * p))));
+    }
+}
+
+// 8 fp16 values at p (the group's d or dmin) as fp32.
+QG_AVX2 inline __m256 load8_half(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// Q4_K, Q5_K: vector v of sub-block j as unsigned bytes (4 values of each of 8 rows).
+template <int T>
+QG_AVX2 inline __m256i k_weights(const uint8_t* gb, int j, int v) {
+    using L = PackedK<T>;
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + L::qs + 32 * (8 * (j / 2) + v)));
+    __m256i wv = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(q, 4) : q, _mm256_set1_epi8(15));
+    if constexpr (T == Q5_K) wv = _mm256_or_si256(wv, qh_bit(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + L::qh + 32 * v)), j));
+    return wv;
+}
+
+// Q6_K: the 16 int8 scales of 8 rows (vector w: row j's scales 4w..4w+3), and one as the
+// lane's int16 pair / int32 (sign-extended).
+struct Q6Scales {
+    __m256i S[4];
+    Q6Scales() = default;
+    QG_AVX2 explicit Q6Scales(const uint8_t* gb) {
+        for (int w = 0; w < 4; w++) S[w] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + PackedK<Q6_K>::q6_sc + 32 * w));
+    }
+    QG_AVX2 __m256i scale16(int g) const { return _mm256_srai_epi16(pick_bytes(S[g / 4], kByteHi16[g % 4]), 8); }
+    QG_AVX2 __m256i scale32(int g) const { return _mm256_srai_epi32(pick_bytes(S[g / 4], kByteHi32[g % 4]), 24); }
+};
+
+// Q6_K: the 6-bit values 128h + 32t + 4v + (0..3) of 8 rows as unsigned bytes (0..63).
+QG_AVX2 inline __m256i q6_weights(const uint8_t* gb, int h, int t, int v) {
+    using L = PackedK<Q6_K>;
+    const uint8_t* ql = gb + 32 * 8 * (2 * h + (t & 1));
+    const uint8_t* qh = gb + L::q6_qh + 32 * 8 * h;
+    const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32 * v));
+    const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * v));
+    const __m256i lo4 = _mm256_and_si256(t >> 1 ? _mm256_srli_epi16(l, 4) : l, _mm256_set1_epi8(15));
+    const __m256i hi2 = _mm256_and_si256(2 * t < 4 ? _mm256_slli_epi16(hb, 4 - 2 * t) : _mm256_srli_epi16(hb, 2 * t - 4),
+                                         _mm256_set1_epi8(0x30));
+    return _mm256_or_si256(lo4, hi2);
+}
+
+// Q6_K's offset: each row's sum_g sc_g * (the sum of x over group g), taken off 32 times.
+template <int R>
+QG_AVX2 inline void q6_offset_sums(const Q6Scales& sc, const KActs<R>& x, int64_t b, __m256i* off) {
+    for (int i = 0; i < R; i++) {
+        off[i] = _mm256_setzero_si256();
+        for (int p = 0; p < 8; p++) {
+            const __m256i scp = _mm256_srai_epi16(pick_bytes(sc.S[p / 2], kPairHi16[p % 2]), 8);
+            off[i] = _mm256_add_epi32(off[i], _mm256_madd_epi16(scp, bcast4(reinterpret_cast<const int8_t*>(x.xb[i] + b * 16 + 2 * p))));
+        }
+    }
+}
+
 // K-quants in the repacked layout: outputs y[m0 .. m0 + R - 1, n .. n + 7] as dotk computes
 // them, lane j of each vector output n + j. Per sub-block, 4 activation values broadcast to
 // every lane meet 4 values of each of the 8 rows (vpmaddubsw, summed in int16 while exact:
@@ -201,115 +326,73 @@ template <int T, int R, bool PF>
 QG_AVX2 void groupk_avx2(const Ctx& c, int64_t n, int64_t m0) {
     using L = PackedK<T>;
     const uint8_t* g = c.w + n * c.rb;
-    const int8_t* xq[R];
-    const float* xd[R];
-    const int16_t* xb[R];
+    const KActs<R> x(c, m0);
     __m256 acc[R];
-    for (int i = 0; i < R; i++) {
-        xq[i] = c.q + (m0 + i) * c.K;
-        xd[i] = c.d + (m0 + i) * c.nb;
-        xb[i] = c.bs + (m0 + i) * c.nb * 16;
-        acc[i] = _mm256_setzero_ps();
-    }
-    const __m256i low = _mm256_set1_epi8(15);
+    for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < c.nb; b++) {
         const uint8_t* gb = g + b * L::group_bytes;
         if constexpr (PF) prefetch_ahead(gb, L::group_bytes);
         __m256i isum[R];
         for (int i = 0; i < R; i++) isum[i] = _mm256_setzero_si256();
+        __m256 dv;
         if constexpr (T == Q6_K) {
-            __m256i S[4];
-            for (int w = 0; w < 4; w++) S[w] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + L::q6_sc + 32 * w));
-            // (unrolled: the shifts below then take immediate counts)
+            const Q6Scales sc(gb);
+            // (unrolled: the shifts take immediate counts)
 #pragma GCC unroll 2
             for (int h = 0; h < 2; h++)
 #pragma GCC unroll 4
-                for (int t = 0; t < 4; t++) {  // values 128h + 32t + 4v + (0..3): groups 8h + 2t (v < 4), 8h + 2t + 1
-                    const uint8_t* ql = gb + 32 * 8 * (2 * h + (t & 1));
-                    const uint8_t* qh = gb + L::q6_qh + 32 * 8 * h;
+                for (int t = 0; t < 4; t++)  // values 128h + 32t + 4v + (0..3): groups 8h + 2t (v < 4), 8h + 2t + 1
                     for (int half = 0; half < 2; half++) {
-                        const int grp = 8 * h + 2 * t + half;
-                        const __m256i sc = _mm256_srai_epi16(pick_bytes(S[grp / 4], kByteHi16[grp % 4]), 8);
+                        const __m256i s16 = sc.scale16(8 * h + 2 * t + half);
                         for (int pair = 0; pair < 2; pair++) {
                             __m256i s[R];
                             for (int i = 0; i < R; i++) s[i] = _mm256_setzero_si256();
                             for (int u = 0; u < 2; u++) {
                                 const int v = 4 * half + 2 * pair + u;
-                                const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32 * v));
-                                const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * v));
-                                const __m256i lo4 = _mm256_and_si256(t >> 1 ? _mm256_srli_epi16(l, 4) : l, low);
-                                const __m256i hi2 = _mm256_and_si256(2 * t < 4 ? _mm256_slli_epi16(hb, 4 - 2 * t)
-                                                                               : _mm256_srli_epi16(hb, 2 * t - 4),
-                                                                     _mm256_set1_epi8(0x30));
-                                const __m256i wv = _mm256_or_si256(lo4, hi2);
+                                const __m256i wv = q6_weights(gb, h, t, v);
                                 for (int i = 0; i < R; i++) {
-                                    s[i] = _mm256_add_epi16(s[i], _mm256_maddubs_epi16(wv, bcast4(xq[i] + b * QK + 128 * h + 32 * t + 4 * v)));
+                                    s[i] = _mm256_add_epi16(s[i], _mm256_maddubs_epi16(wv, bcast4(x.xq[i] + b * QK + 128 * h + 32 * t + 4 * v)));
                                     asm("" : "+x"(s[i]));
                                 }
                             }
-                            for (int i = 0; i < R; i++) isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(s[i], sc));
+                            for (int i = 0; i < R; i++) isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(s[i], s16));
                         }
                     }
-                }
-            // - 32 * sum_g sc_g * (the sum of x over group g)
-            for (int i = 0; i < R; i++) {
-                __m256i off = _mm256_setzero_si256();
-                for (int p = 0; p < 8; p++) {
-                    const __m256i scp = _mm256_srai_epi16(pick_bytes(S[p / 2], kPairHi16[p % 2]), 8);
-                    off = _mm256_add_epi32(off, _mm256_madd_epi16(scp, bcast4(reinterpret_cast<const int8_t*>(xb[i] + b * 16 + 2 * p))));
-                }
-                isum[i] = _mm256_sub_epi32(isum[i], _mm256_slli_epi32(off, 5));
-            }
-            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + L::q6_d)));
-            for (int i = 0; i < R; i++)
-                acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(dv, _mm256_broadcast_ss(xd[i] + b)), _mm256_cvtepi32_ps(isum[i]), acc[i]);
+            __m256i off[R];
+            q6_offset_sums(sc, x, b, off);
+            for (int i = 0; i < R; i++) isum[i] = _mm256_sub_epi32(isum[i], _mm256_slli_epi32(off[i], 5));
+            dv = load8_half(gb + L::q6_d);
         } else {
-            // the 6-bit scales and mins of 8 rows at once (kscales on 32-bit lanes): lane j of
-            // sc_lo holds row j's scales 0..3 as bytes, sc_hi 4..7; the same for the mins
-            const __m256i A = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + L::sc));
-            const __m256i B = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + L::sc + 32));
-            const __m256i C = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + L::sc + 64));
-            const __m256i m6 = _mm256_set1_epi8(0x3f), m2 = _mm256_set1_epi8(3);
-            const __m256i sc_lo = _mm256_and_si256(A, m6), mn_lo = _mm256_and_si256(B, m6);
-            const __m256i sc_hi = _mm256_or_si256(_mm256_and_si256(C, low), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(A, 6), m2), 4));
-            const __m256i mn_hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(C, 4), low),
-                                                  _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(B, 6), m2), 4));
-            const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb)));
-            const __m256 dmv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 16)));
-            {  // the mins first: -(dmin * d_x) * sum_j m_j * (the sum of x over sub-block j)
-                const __m256i mp[4] = {pick_bytes(mn_lo, kPair16[0]), pick_bytes(mn_lo, kPair16[1]),
-                                       pick_bytes(mn_hi, kPair16[0]), pick_bytes(mn_hi, kPair16[1])};
-                for (int i = 0; i < R; i++) {
-                    __m256i ms = _mm256_setzero_si256();
-                    for (int p = 0; p < 4; p++)
-                        ms = _mm256_add_epi32(ms, _mm256_madd_epi16(mp[p], bcast4(reinterpret_cast<const int8_t*>(xb[i] + b * 16 + 2 * p))));
-                    acc[i] = _mm256_fnmadd_ps(_mm256_mul_ps(dmv, _mm256_broadcast_ss(xd[i] + b)), _mm256_cvtepi32_ps(ms), acc[i]);
-                }
+            const KScales ks(gb + L::sc);
+            {  // the mins first: -(dmin * d_x) * their integer
+                __m256i ms[R];
+                k_min_sums(ks, x, b, ms);
+                const __m256 dmv = load8_half(gb + 16);
+                for (int i = 0; i < R; i++)
+                    acc[i] = _mm256_fnmadd_ps(_mm256_mul_ps(dmv, _mm256_broadcast_ss(x.xd[i] + b)), _mm256_cvtepi32_ps(ms[i]), acc[i]);
             }
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {  // (unrolled: qh_bit's shifts take immediate counts)
-                const __m256i sc = pick_bytes(j < 4 ? sc_lo : sc_hi, kByte16[j & 3]);
+                const __m256i s16 = ks.scale16(j);
                 __m256i s0[R], s1[R];
                 for (int i = 0; i < R; i++) s0[i] = s1[i] = _mm256_setzero_si256();
                 for (int v = 0; v < 8; v++) {
-                    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + L::qs + 32 * (8 * (j / 2) + v)));
-                    __m256i wv = _mm256_and_si256(j & 1 ? _mm256_srli_epi16(q, 4) : q, low);
-                    if constexpr (T == Q5_K)
-                        wv = _mm256_or_si256(wv, qh_bit(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + L::qh + 32 * v)), j));
+                    const __m256i wv = k_weights<T>(gb, j, v);
                     for (int i = 0; i < R; i++) {
                         __m256i& s = T == Q5_K && v >= 4 ? s1[i] : s0[i];
-                        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(wv, bcast4(xq[i] + b * QK + 32 * j + 4 * v)));
+                        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(wv, bcast4(x.xq[i] + b * QK + 32 * j + 4 * v)));
                         asm("" : "+x"(s));
                     }
                 }
                 for (int i = 0; i < R; i++) {
-                    isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(s0[i], sc));
-                    if constexpr (T == Q5_K) isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(s1[i], sc));
+                    isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(s0[i], s16));
+                    if constexpr (T == Q5_K) isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(s1[i], s16));
                 }
             }
-            for (int i = 0; i < R; i++)
-                acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(dv, _mm256_broadcast_ss(xd[i] + b)), _mm256_cvtepi32_ps(isum[i]), acc[i]);
+            dv = load8_half(gb);
         }
+        for (int i = 0; i < R; i++)
+            acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(dv, _mm256_broadcast_ss(x.xd[i] + b)), _mm256_cvtepi32_ps(isum[i]), acc[i]);
     }
     group_store(c, n, m0, R, acc);
 }
@@ -337,7 +420,7 @@ QG_AVX2 void tile16_avx2(const Ctx& c, int64_t n, int64_t m0) {
     }
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
-        if (PF && k % (64 / size) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + size * k) + kPrefetch, _MM_HINT_T0);
+        if (PF && k % (64 / size) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + size * k) + kPrefetchFloats, _MM_HINT_T0);
         const __m256 w0 = load8_float<T>(w, k), w1 = load8_float<T>(w, k + 8);
         for (int i = 0; i < R; i++) {
             a0[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x[i] + k), w0, a0[i]);
@@ -380,14 +463,17 @@ QG_AVX2 void tiles_avx2(const Ctx& c, int64_t n, int64_t m0, int mt) {
     }
 }
 
-// Outputs y[m0 .. m0 + mt - 1, n .. n + cols - 1] (cols 1 to 8). A repacked group takes all
-// 8 at once; rows of a repacked type left as stored (a weight's last N % 8) run the portable
+// Outputs y[m0 .. m0 + mt - 1, n .. n + cols - 1]. A repacked group takes all 8 of its rows
+// at once; rows of a repacked type left as stored (a weight's last N % 8) run the portable
 // dot. Decode sizes prefetch (a template flag: the branch alone slowed the prefill tiles by 25%).
 template <int T>
 QG_AVX2 void rows_avx2(const Ctx& c, int64_t n, int cols, int64_t m0, int mt) {
     if constexpr (interleave_of(T) == kGroup) {
-        if (n >= c.grouped) return rows_portable_grouped<T>(c, n, cols, m0, mt);
-        return c.stream ? tiles_avx2<T, true>(c, n, m0, mt) : tiles_avx2<T, false>(c, n, m0, mt);
+        for (int64_t g = n; g < n + cols; g += kGroup) {
+            if (g >= c.grouped) return rows_portable_grouped<T>(c, g, int(n + cols - g), m0, mt);
+            c.stream ? tiles_avx2<T, true>(c, g, m0, mt) : tiles_avx2<T, false>(c, g, m0, mt);
+        }
+        return;
     }
     for (int j = 0; j < cols; j++) c.stream ? tiles_avx2<T, true>(c, n + j, m0, mt) : tiles_avx2<T, false>(c, n + j, m0, mt);
 }

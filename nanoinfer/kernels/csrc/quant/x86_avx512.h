@@ -3,6 +3,7 @@
 // file builds on), else its portable dot. Target attributes again, so it builds anywhere x86.
 #pragma once
 #include <cstdint>
+#include <type_traits>
 
 #include "kernel.h"
 #include "types.h"
@@ -66,25 +67,231 @@ QG_AVX512 void group32_avx512(const Ctx& c, int64_t n, int64_t m0) {
     group_store(c, n, m0, R, r.acc);
 }
 
-template <int T, bool PF>
-QG_AVX512 void groups32_avx512(const Ctx& c, int64_t n, int64_t m0, int mt) {
-    switch (mt) {
-        case 4: group32_avx512<T, 4, PF>(c, n, m0); break;
-        case 3: group32_avx512<T, 3, PF>(c, n, m0); break;
-        case 2: group32_avx512<T, 2, PF>(c, n, m0); break;
-        default: group32_avx512<T, 1, PF>(c, n, m0); break;
+// G repacked groups side by side, a 32-bit lane an output: 8 outputs on 256-bit vectors (G = 1),
+// 16 on 512-bit ones (G = 2: the group at row n in the low half, n + 8 in the high half), and
+// the few operations the K-quant kernel below needs on either.
+template <int G>
+using VecI = std::conditional_t<G == 1, __m256i, __m512i>;
+template <int G>
+using VecF = std::conditional_t<G == 1, __m256, __m512>;
+
+template <int G>
+QG_AVX512 inline VecI<G> join(const __m256i* p) {
+    if constexpr (G == 1) return p[0];
+    else return _mm512_inserti64x4(_mm512_castsi256_si512(p[0]), p[1], 1);
+}
+template <int G>
+QG_AVX512 inline VecF<G> join(const __m256* p) {
+    if constexpr (G == 1) return p[0];
+    else return _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_castps_si256(p[0])), _mm256_castps_si256(p[1]), 1));
+}
+// the 32 bytes at offset `at` of each group's block
+template <int G>
+QG_AVX512 inline VecI<G> load_groups(const uint8_t* const* gb, int at) {
+    __m256i p[G];
+    for (int k = 0; k < G; k++) p[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb[k] + at));
+    return join<G>(p);
+}
+template <int G>
+QG_AVX512 inline VecI<G> bytes_of(char v) {
+    if constexpr (G == 1) return _mm256_set1_epi8(v);
+    else return _mm512_set1_epi8(v);
+}
+QG_AVX512 inline __m256i v_and(__m256i a, __m256i b) { return _mm256_and_si256(a, b); }
+QG_AVX512 inline __m512i v_and(__m512i a, __m512i b) { return _mm512_and_si512(a, b); }
+QG_AVX512 inline __m256i v_or(__m256i a, __m256i b) { return _mm256_or_si256(a, b); }
+QG_AVX512 inline __m512i v_or(__m512i a, __m512i b) { return _mm512_or_si512(a, b); }
+QG_AVX512 inline __m256i v_srli16(__m256i a, int k) { return _mm256_srli_epi16(a, k); }
+QG_AVX512 inline __m512i v_srli16(__m512i a, int k) { return _mm512_srli_epi16(a, k); }
+QG_AVX512 inline __m256i v_slli16(__m256i a, int k) { return _mm256_slli_epi16(a, k); }
+QG_AVX512 inline __m512i v_slli16(__m512i a, int k) { return _mm512_slli_epi16(a, k); }
+QG_AVX512 inline __m256i v_add(__m256i a, __m256i b) { return _mm256_add_epi32(a, b); }
+QG_AVX512 inline __m512i v_add(__m512i a, __m512i b) { return _mm512_add_epi32(a, b); }
+QG_AVX512 inline __m256i v_sub(__m256i a, __m256i b) { return _mm256_sub_epi32(a, b); }
+QG_AVX512 inline __m512i v_sub(__m512i a, __m512i b) { return _mm512_sub_epi32(a, b); }
+QG_AVX512 inline __m256i v_mullo(__m256i a, __m256i b) { return _mm256_mullo_epi32(a, b); }
+QG_AVX512 inline __m512i v_mullo(__m512i a, __m512i b) { return _mm512_mullo_epi32(a, b); }
+QG_AVX512 inline __m256i v_slli32(__m256i a, int k) { return _mm256_slli_epi32(a, k); }
+QG_AVX512 inline __m512i v_slli32(__m512i a, int k) { return _mm512_slli_epi32(a, k); }
+// acc + the 4 products u8 x s8 of each 32-bit lane, 4 activation values at x in every lane
+QG_AVX512 inline __m256i v_dot4(__m256i acc, __m256i w, const int8_t* x) { return _mm256_dpbusd_epi32(acc, w, bcast4(x)); }
+QG_AVX512 inline __m512i v_dot4(__m512i acc, __m512i w, const int8_t* x) {
+    return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(int32_t(rd32(reinterpret_cast<const uint8_t*>(x)))));
+}
+// acc + (a * the float at s) * the lanes of i as floats; acc - ... (fnmadd)
+QG_AVX512 inline __m256 v_fma(__m256 acc, __m256 a, const float* s, __m256i i) {
+    return _mm256_fmadd_ps(_mm256_mul_ps(a, _mm256_broadcast_ss(s)), _mm256_cvtepi32_ps(i), acc);
+}
+QG_AVX512 inline __m512 v_fma(__m512 acc, __m512 a, const float* s, __m512i i) {
+    return _mm512_fmadd_ps(_mm512_mul_ps(a, _mm512_set1_ps(*s)), _mm512_cvtepi32_ps(i), acc);
+}
+QG_AVX512 inline __m256 v_fnma(__m256 acc, __m256 a, const float* s, __m256i i) {
+    return _mm256_fnmadd_ps(_mm256_mul_ps(a, _mm256_broadcast_ss(s)), _mm256_cvtepi32_ps(i), acc);
+}
+QG_AVX512 inline __m512 v_fnma(__m512 acc, __m512 a, const float* s, __m512i i) {
+    return _mm512_fnmadd_ps(_mm512_mul_ps(a, _mm512_set1_ps(*s)), _mm512_cvtepi32_ps(i), acc);
+}
+// the 8 fp16 at offset `at` of each group's block, as fp32
+template <int G>
+QG_AVX512 inline VecF<G> halves_of(const uint8_t* const* gb, int at) {
+    __m256 p[G];
+    for (int k = 0; k < G; k++) p[k] = load8_half(gb[k] + at);
+    return join<G>(p);
+}
+
+// k_weights and q6_weights for G groups at once.
+template <int T, int G>
+QG_AVX512 inline VecI<G> k_weights_of(const uint8_t* const* gb, int j, int v) {
+    using L = PackedK<T>;
+    const VecI<G> q = load_groups<G>(gb, L::qs + 32 * (8 * (j / 2) + v));
+    VecI<G> wv = v_and(j & 1 ? v_srli16(q, 4) : q, bytes_of<G>(15));
+    if constexpr (T == Q5_K) {
+        const VecI<G> h = load_groups<G>(gb, L::qh + 32 * v);
+        wv = v_or(wv, v_and(j < 4 ? v_slli16(h, 4 - j) : v_srli16(h, j - 4), bytes_of<G>(16)));
+    }
+    return wv;
+}
+template <int G>
+QG_AVX512 inline VecI<G> q6_weights_of(const uint8_t* const* gb, int h, int t, int v) {
+    using L = PackedK<Q6_K>;
+    const VecI<G> l = load_groups<G>(gb, 32 * 8 * (2 * h + (t & 1)) + 32 * v);
+    const VecI<G> hb = load_groups<G>(gb, L::q6_qh + 32 * 8 * h + 32 * v);
+    const VecI<G> lo4 = v_and(t >> 1 ? v_srli16(l, 4) : l, bytes_of<G>(15));
+    const VecI<G> hi2 = v_and(2 * t < 4 ? v_slli16(hb, 4 - 2 * t) : v_srli16(hb, 2 * t - 4), bytes_of<G>(0x30));
+    return v_or(lo4, hi2);
+}
+
+// K-quants in the repacked layout with vpdpbusd: groupk_avx2's outputs for G groups (rows n ..
+// n + 8G - 1). Each lane sums a sub-block's 32 (Q6_K: a group's 16) products u8 x s8 straight
+// into int32, with no int16 partial sums, and vpmulld by the row's scale makes the integer that
+// vpmaddwd makes there; the mins, Q6_K's -32 (their integers from groupk_avx2's helpers) and
+// the float steps are groupk_avx2's, lane by lane. So the paths agree bit for bit. Two chains
+// of sums per row (v even, odd): vpdpbusd's latency would leave a one-row tile waiting on one.
+template <int T, int R, bool PF, int G>
+QG_AVX512 void groupk_avx512(const Ctx& c, int64_t n, int64_t m0) {
+    using L = PackedK<T>;
+    using I = VecI<G>;
+    using F = VecF<G>;
+    const KActs<R> x(c, m0);
+    F acc[R];
+    for (int i = 0; i < R; i++) acc[i] = F{};
+    for (int64_t b = 0; b < c.nb; b++) {
+        const uint8_t* gb[G];
+        for (int k = 0; k < G; k++) {
+            gb[k] = c.w + (n + kGroup * k) * c.rb + b * L::group_bytes;
+            if constexpr (PF) prefetch_ahead(gb[k], L::group_bytes);
+        }
+        I isum[R];
+        for (int i = 0; i < R; i++) isum[i] = I{};
+        __m256i part[G];
+        if constexpr (T == Q6_K) {
+            Q6Scales sc[G];
+            for (int k = 0; k < G; k++) sc[k] = Q6Scales(gb[k]);
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++)
+#pragma GCC unroll 4
+                for (int t = 0; t < 4; t++)
+                    for (int half = 0; half < 2; half++) {  // group 8h + 2t + half: values 128h + 32t + 16 half + (0..15)
+                        I p0[R], p1[R];
+                        for (int i = 0; i < R; i++) p0[i] = p1[i] = I{};
+#pragma GCC unroll 2
+                        for (int v = 4 * half; v < 4 * half + 4; v += 2) {
+                            const I w0 = q6_weights_of<G>(gb, h, t, v), w1 = q6_weights_of<G>(gb, h, t, v + 1);
+                            for (int i = 0; i < R; i++) {
+                                const int8_t* xv = x.xq[i] + b * QK + 128 * h + 32 * t + 4 * v;
+                                p0[i] = v_dot4(p0[i], w0, xv);
+                                p1[i] = v_dot4(p1[i], w1, xv + 4);
+                            }
+                        }
+                        for (int k = 0; k < G; k++) part[k] = sc[k].scale32(8 * h + 2 * t + half);
+                        const I s32 = join<G>(part);
+                        for (int i = 0; i < R; i++) isum[i] = v_add(isum[i], v_mullo(v_add(p0[i], p1[i]), s32));
+                    }
+            __m256i off[G][R];
+            for (int k = 0; k < G; k++) q6_offset_sums(sc[k], x, b, off[k]);
+            for (int i = 0; i < R; i++) {
+                for (int k = 0; k < G; k++) part[k] = off[k][i];
+                isum[i] = v_sub(isum[i], v_slli32(join<G>(part), 5));
+            }
+            const F dv = halves_of<G>(gb, L::q6_d);
+            for (int i = 0; i < R; i++) acc[i] = v_fma(acc[i], dv, x.xd[i] + b, isum[i]);
+        } else {
+            KScales ks[G];
+            for (int k = 0; k < G; k++) ks[k] = KScales(gb[k] + L::sc);
+            {  // the mins first
+                __m256i ms[G][R];
+                for (int k = 0; k < G; k++) k_min_sums(ks[k], x, b, ms[k]);
+                const F dmv = halves_of<G>(gb, 16);
+                for (int i = 0; i < R; i++) {
+                    for (int k = 0; k < G; k++) part[k] = ms[k][i];
+                    acc[i] = v_fnma(acc[i], dmv, x.xd[i] + b, join<G>(part));
+                }
+            }
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                I p0[R], p1[R];
+                for (int i = 0; i < R; i++) p0[i] = p1[i] = I{};
+#pragma GCC unroll 4
+                for (int v = 0; v < 8; v += 2) {
+                    const I w0 = k_weights_of<T, G>(gb, j, v), w1 = k_weights_of<T, G>(gb, j, v + 1);
+                    for (int i = 0; i < R; i++) {
+                        const int8_t* xv = x.xq[i] + b * QK + 32 * j + 4 * v;
+                        p0[i] = v_dot4(p0[i], w0, xv);
+                        p1[i] = v_dot4(p1[i], w1, xv + 4);
+                    }
+                }
+                for (int k = 0; k < G; k++) part[k] = ks[k].scale32(j);
+                const I s32 = join<G>(part);
+                for (int i = 0; i < R; i++) isum[i] = v_add(isum[i], v_mullo(v_add(p0[i], p1[i]), s32));
+            }
+            const F dv = halves_of<G>(gb, 0);
+            for (int i = 0; i < R; i++) acc[i] = v_fma(acc[i], dv, x.xd[i] + b, isum[i]);
+        }
+    }
+    if constexpr (G == 1) {
+        group_store(c, n, m0, R, acc);
+    } else {
+        for (int i = 0; i < R; i++) {
+            __m512 v = acc[i];
+            if (c.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(c.bias + n));
+            _mm512_storeu_ps(c.y + (m0 + i) * c.ldy + n, v);
+        }
     }
 }
 
-// rows_avx2's work split, with the groups above.
-template <int T>
-QG_AVX512 void rows_avx512(const Ctx& c, int64_t n, int cols, int64_t m0, int mt) {
-    if (n >= c.grouped) return rows_portable_grouped<T>(c, n, cols, m0, mt);
-    return c.stream ? groups32_avx512<T, true>(c, n, m0, mt) : groups32_avx512<T, false>(c, n, m0, mt);
+template <int T, int R, bool PF, int G>
+QG_AVX512 void group_avx512(const Ctx& c, int64_t n, int64_t m0) {
+    if constexpr (block_values(T) == 32) group32_avx512<T, R, PF>(c, n, m0);
+    else groupk_avx512<T, R, PF, G>(c, n, m0);
 }
 
-// The types this path has kernels for (the 32-value block types).
-constexpr bool avx512_has(int t) { return t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q5_1 || t == Q8_0; }
+template <int T, bool PF, int G>
+QG_AVX512 void groups_avx512(const Ctx& c, int64_t n, int64_t m0, int mt) {
+    switch (mt) {
+        case 4: group_avx512<T, 4, PF, G>(c, n, m0); break;
+        case 3: group_avx512<T, 3, PF, G>(c, n, m0); break;
+        case 2: group_avx512<T, 2, PF, G>(c, n, m0); break;
+        default: group_avx512<T, 1, PF, G>(c, n, m0); break;
+    }
+}
+
+// rows_avx2's work split, with the groups above: a K-quant's 16 rows (two groups) on 512-bit
+// vectors where the driver hands them out together (prefill sizes).
+template <int T>
+QG_AVX512 void rows_avx512(const Ctx& c, int64_t n, int cols, int64_t m0, int mt) {
+    if constexpr (block_values(T) != 32)
+        if (cols == 2 * kGroup && n + 2 * kGroup <= c.grouped)
+            return c.stream ? groups_avx512<T, true, 2>(c, n, m0, mt) : groups_avx512<T, false, 2>(c, n, m0, mt);
+    for (int64_t g = n; g < n + cols; g += kGroup) {
+        if (g >= c.grouped) return rows_portable_grouped<T>(c, g, int(n + cols - g), m0, mt);
+        c.stream ? groups_avx512<T, true, 1>(c, g, m0, mt) : groups_avx512<T, false, 1>(c, g, m0, mt);
+    }
+}
+
+// The types this path has kernels for (the block types that have a repacked layout).
+constexpr bool avx512_has(int t) {
+    return t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q5_1 || t == Q8_0 || t == Q4_K || t == Q5_K || t == Q6_K;
+}
 
 // dot_peak_avx2 with vpdpbusd on 512-bit registers (64 products an instruction). Emulated
 // through SIMDe it measures nothing of the machine: -1, no probe.
