@@ -226,7 +226,7 @@ def test_shared_flags_parse_the_same_everywhere():
     assert (serve.max_num_seqs, serve.max_num_batched_tokens, serve.kv_cache_memory) == (64, 512, None)
     assert (thr.max_num_seqs, thr.max_num_batched_tokens) == (None, None)  # sized per device later
     # a served step that decodes is paced; offline runs take the token budget alone
-    assert (serve.step_time_target_ms, thr.step_time_target_ms) == (100.0, None)
+    assert (serve.step_time_target_ms, thr.step_time_target_ms) == (50.0, None)
     assert parse(["serve"], "--step-time-target-ms", "0").step_time_target_ms is None
     assert parse(["bench", "throughput"], "--step-time-target-ms", "40").step_time_target_ms == 40.0
     for bad in ("-5", "inf", "nan", "x"):
