@@ -72,26 +72,9 @@ struct GroupRows {
     }
 };
 
-// How far ahead of what it reads a decode-sized call prefetches the weights (bytes; the rows
-// of a chunk are contiguous, so this runs into the rows that follow), as measured on batch-1
-// decode. The repacked block tiles (all linears of Qwen2.5-Coder 1.5B Q4_K_M, weights from
-// DRAM), by CPU vendor: AMD Zen 3 8 KiB (the hardware prefetcher alone left it at 11-15 GB/s
-// of a memory that streams 19; 2 KiB: +12%, 8 KiB: +25% tok/s, 32 KiB: worse again); an
-// Intel Xeon with AVX-512 512 B (49 ms against 66 at 8 KiB and 52 with none: there the far
-// prefetches hold the line fill buffers that the loads wait for). The float rows (F32 experts
-// of a Qwen3-MoE) 8 KiB on both (on the Xeon 7.7 ms a step against 8.7 at 512 B).
-inline int64_t group_prefetch_distance() {
-    unsigned a, b, c, d;
-    if (!__get_cpuid(0, &a, &b, &c, &d)) return 8192;
-    const bool intel = b == 0x756e6547 && d == 0x49656e69 && c == 0x6c65746e;  // "GenuineIntel"
-    return intel ? 512 : 8192;
-}
-const int64_t kPrefetchGroups = group_prefetch_distance();
-constexpr int64_t kPrefetchFloats = 8192;
-
-// The next `bytes` of a streamed repacked weight, kPrefetchGroups ahead.
+// The next `bytes` of a streamed weight, kPrefetch ahead.
 QG_AVX2 inline void prefetch_ahead(const uint8_t* p, int bytes) {
-    for (int o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchGroups + o), _MM_HINT_T0);
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch + o), _MM_HINT_T0);
 }
 
 // Vector v of a 4- or 5-bit group block as unsigned bytes: lo holds values 4v..4v+3 of each row,
@@ -420,7 +403,7 @@ QG_AVX2 void tile16_avx2(const Ctx& c, int64_t n, int64_t m0) {
     }
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
-        if (PF && k % (64 / size) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + size * k) + kPrefetchFloats, _MM_HINT_T0);
+        if (PF && k % (64 / size) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + size * k) + kPrefetch, _MM_HINT_T0);
         const __m256 w0 = load8_float<T>(w, k), w1 = load8_float<T>(w, k + 8);
         for (int i = 0; i < R; i++) {
             a0[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x[i] + k), w0, a0[i]);
