@@ -16,13 +16,6 @@
 
 namespace {
 
-// The 32-value block types in the repacked layout with vpdpbusd on 256-bit vectors (u8 x s8,
-// four products summed into an int32 lane, no saturation): group32_avx2's outputs, lanes and
-// integers, without its int16 steps. A weight is made unsigned by an offset (u = w + 8 for
-// Q4_0, 16 for Q5_0, 128 for Q8_0; Q4_1 and Q5_1 are unsigned already) and offset * (the
-// block's sum of x) is taken off, so each lane's integer is the same sum of w * x; the float
-// operations are the AVX2 path's one by one, in the same order. So the paths agree bit for bit.
-//
 // Built with -DQG_EMULATE_AVX512 (and SIMDe's headers) the same code runs on any x86 CPU
 // through SIMDe's portable intrinsics: how the tests check it on CPUs without AVX-512.
 #if defined(QG_EMULATE_AVX512)
@@ -35,41 +28,9 @@ namespace {
 template <int T>
 constexpr int kVnniShift = T == Q8_0 ? 7 : kOffsetShift<T>;
 
-template <int T, int R, bool PF>
-QG_AVX512 void group32_avx512(const Ctx& c, int64_t n, int64_t m0) {
-    using L = Packed32<T>;
-    const uint8_t* g = c.w + n * c.rb;
-    GroupRows<T, R> r(c, m0);
-    for (int64_t b = 0; b < c.nb; b++) {
-        const uint8_t* gb = g + b * L::group_bytes;
-        if constexpr (PF) prefetch_ahead(gb, L::group_bytes);
-        __m256i p[R];
-        for (int i = 0; i < R; i++) p[i] = _mm256_setzero_si256();
-        if constexpr (T == Q8_0) {
-            for (int v = 0; v < 8; v++) {
-                const __m256i u = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + L::qs + 32 * v)),
-                                                   _mm256_set1_epi8(char(0x80)));
-                for (int i = 0; i < R; i++) p[i] = _mm256_dpbusd_epi32(p[i], u, bcast4(r.xq[i] + b * 32 + 4 * v));
-            }
-        } else {
-            for (int v = 0; v < 4; v++) {
-                __m256i lo, hi;
-                group_nibbles<T>(gb, v, lo, hi);
-                for (int i = 0; i < R; i++) {
-                    const int8_t* x = r.xq[i] + b * 32;
-                    p[i] = _mm256_dpbusd_epi32(p[i], lo, bcast4(x + 4 * v));
-                    p[i] = _mm256_dpbusd_epi32(p[i], hi, bcast4(x + 16 + 4 * v));
-                }
-            }
-        }
-        group_add_block<T, R, kVnniShift<T>>(gb, r, b, p);
-    }
-    group_store(c, n, m0, R, r.acc);
-}
-
 // G repacked groups side by side, a 32-bit lane an output: 8 outputs on 256-bit vectors (G = 1),
 // 16 on 512-bit ones (G = 2: the group at row n in the low half, n + 8 in the high half), and
-// the few operations the K-quant kernel below needs on either.
+// the few operations the kernels below need on either.
 template <int G>
 using VecI = std::conditional_t<G == 1, __m256i, __m512i>;
 template <int G>
@@ -131,6 +92,14 @@ QG_AVX512 inline __m256 v_fnma(__m256 acc, __m256 a, const float* s, __m256i i) 
 QG_AVX512 inline __m512 v_fnma(__m512 acc, __m512 a, const float* s, __m512i i) {
     return _mm512_fnmadd_ps(_mm512_mul_ps(a, _mm512_set1_ps(*s)), _mm512_cvtepi32_ps(i), acc);
 }
+QG_AVX512 inline __m256i v_xor(__m256i a, __m256i b) { return _mm256_xor_si256(a, b); }
+QG_AVX512 inline __m512i v_xor(__m512i a, __m512i b) { return _mm512_xor_si512(a, b); }
+// v in every lane, as the type of `like`
+QG_AVX512 inline __m256i v_set1(int32_t v, __m256i) { return _mm256_set1_epi32(v); }
+QG_AVX512 inline __m512i v_set1(int32_t v, __m512i) { return _mm512_set1_epi32(v); }
+// acc + a * the float at s
+QG_AVX512 inline __m256 v_fma_s(__m256 acc, __m256 a, const float* s) { return _mm256_fmadd_ps(a, _mm256_broadcast_ss(s), acc); }
+QG_AVX512 inline __m512 v_fma_s(__m512 acc, __m512 a, const float* s) { return _mm512_fmadd_ps(a, _mm512_set1_ps(*s), acc); }
 // the 8 fp16 at offset `at` of each group's block, as fp32
 template <int G>
 QG_AVX512 inline VecF<G> halves_of(const uint8_t* const* gb, int at) {
@@ -159,6 +128,90 @@ QG_AVX512 inline VecI<G> q6_weights_of(const uint8_t* const* gb, int h, int t, i
     const VecI<G> lo4 = v_and(t >> 1 ? v_srli16(l, 4) : l, bytes_of<G>(15));
     const VecI<G> hi2 = v_and(2 * t < 4 ? v_slli16(hb, 4 - 2 * t) : v_srli16(hb, 2 * t - 4), bytes_of<G>(0x30));
     return v_or(lo4, hi2);
+}
+
+// Rows m0 .. m0 + R - 1 of the tile's outputs n .. n + 8G - 1, plus the bias.
+template <int G, int R>
+QG_AVX512 inline void store_groups(const Ctx& c, int64_t n, int64_t m0, const VecF<G>* acc) {
+    if constexpr (G == 1) {
+        group_store(c, n, m0, R, acc);
+    } else {
+        for (int i = 0; i < R; i++) {
+            __m512 v = acc[i];
+            if (c.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(c.bias + n));
+            _mm512_storeu_ps(c.y + (m0 + i) * c.ldy + n, v);
+        }
+    }
+}
+
+// group_nibbles for G groups at once.
+template <int T, int G>
+QG_AVX512 inline void nibbles_of(const uint8_t* const* gb, int v, VecI<G>& lo, VecI<G>& hi) {
+    using L = Packed32<T>;
+    const VecI<G> qv = load_groups<G>(gb, L::qs + 32 * v);
+    lo = v_and(qv, bytes_of<G>(15));
+    hi = v_and(v_srli16(qv, 4), bytes_of<G>(15));
+    if constexpr (L::has_qh) {
+        __m256i l[G], h[G];
+        for (int k = 0; k < G; k++) {
+            l[k] = _mm256_and_si256(bit_bytes(gb[k] + L::qh + 4 * v), _mm256_set1_epi8(16));
+            h[k] = _mm256_and_si256(bit_bytes(gb[k] + L::qh + 16 + 4 * v), _mm256_set1_epi8(16));
+        }
+        lo = v_or(lo, join<G>(l));
+        hi = v_or(hi, join<G>(h));
+    }
+}
+
+// The 32-value block types in the repacked layout with vpdpbusd (u8 x s8, four products summed
+// into an int32 lane, no saturation), for G groups (rows n .. n + 8G - 1): group32_avx2's
+// outputs, lanes and integers, without its int16 steps. A weight is made unsigned by an
+// offset (u = w + 8 for Q4_0, 16 for Q5_0, 128 for Q8_0; Q4_1 and Q5_1 are unsigned already)
+// and offset * (the block's sum of x) is taken off, so each lane's integer is the same sum of
+// w * x; the float operations are group_add_block's, lane by lane, in the same order. So the
+// paths agree bit for bit.
+template <int T, int R, bool PF, int G>
+QG_AVX512 void group32_avx512(const Ctx& c, int64_t n, int64_t m0) {
+    using L = Packed32<T>;
+    using I = VecI<G>;
+    using F = VecF<G>;
+    const GroupRows<T, R> r(c, m0);
+    F acc[R];
+    for (int i = 0; i < R; i++) acc[i] = F{};
+    for (int64_t b = 0; b < c.nb; b++) {
+        const uint8_t* gb[G];
+        for (int k = 0; k < G; k++) {
+            gb[k] = c.w + (n + kGroup * k) * c.rb + b * L::group_bytes;
+            if constexpr (PF) prefetch_ahead(gb[k], L::group_bytes);
+        }
+        I p[R];
+        for (int i = 0; i < R; i++) p[i] = I{};
+        if constexpr (T == Q8_0) {
+            for (int v = 0; v < 8; v++) {
+                const I u = v_xor(load_groups<G>(gb, L::qs + 32 * v), bytes_of<G>(char(0x80)));
+                for (int i = 0; i < R; i++) p[i] = v_dot4(p[i], u, r.xq[i] + b * 32 + 4 * v);
+            }
+        } else {
+            for (int v = 0; v < 4; v++) {
+                I lo, hi;
+                nibbles_of<T, G>(gb, v, lo, hi);
+                for (int i = 0; i < R; i++) {
+                    const int8_t* x = r.xq[i] + b * 32;
+                    p[i] = v_dot4(p[i], lo, x + 4 * v);
+                    p[i] = v_dot4(p[i], hi, x + 16 + 4 * v);
+                }
+            }
+        }
+        constexpr int shift = kVnniShift<T>;
+        if constexpr (shift >= 0)
+            for (int i = 0; i < R; i++) p[i] = v_sub(p[i], v_set1(r.xo[i][b] * (1 << shift), p[i]));
+        const F dw = halves_of<G>(gb, 0);
+        for (int i = 0; i < R; i++) acc[i] = v_fma(acc[i], dw, r.xd[i] + b, p[i]);
+        if constexpr (L::has_min) {
+            const F mw = halves_of<G>(gb, L::m);
+            for (int i = 0; i < R; i++) acc[i] = v_fma_s(acc[i], mw, r.xs[i] + b);
+        }
+    }
+    store_groups<G, R>(c, n, m0, acc);
 }
 
 // K-quants in the repacked layout with vpdpbusd: groupk_avx2's outputs for G groups (rows n ..
@@ -248,20 +301,12 @@ QG_AVX512 void groupk_avx512(const Ctx& c, int64_t n, int64_t m0) {
             for (int i = 0; i < R; i++) acc[i] = v_fma(acc[i], dv, x.xd[i] + b, isum[i]);
         }
     }
-    if constexpr (G == 1) {
-        group_store(c, n, m0, R, acc);
-    } else {
-        for (int i = 0; i < R; i++) {
-            __m512 v = acc[i];
-            if (c.bias) v = _mm512_add_ps(v, _mm512_loadu_ps(c.bias + n));
-            _mm512_storeu_ps(c.y + (m0 + i) * c.ldy + n, v);
-        }
-    }
+    store_groups<G, R>(c, n, m0, acc);
 }
 
 template <int T, int R, bool PF, int G>
 QG_AVX512 void group_avx512(const Ctx& c, int64_t n, int64_t m0) {
-    if constexpr (block_values(T) == 32) group32_avx512<T, R, PF>(c, n, m0);
+    if constexpr (block_values(T) == 32) group32_avx512<T, R, PF, G>(c, n, m0);
     else groupk_avx512<T, R, PF, G>(c, n, m0);
 }
 
@@ -275,13 +320,12 @@ QG_AVX512 void groups_avx512(const Ctx& c, int64_t n, int64_t m0, int mt) {
     }
 }
 
-// rows_avx2's work split, with the groups above: a K-quant's 16 rows (two groups) on 512-bit
-// vectors where the driver hands them out together (prefill sizes).
+// rows_avx2's work split, with the groups above: 16 rows (two groups) on 512-bit vectors where
+// the driver hands them out together.
 template <int T>
 QG_AVX512 void rows_avx512(const Ctx& c, int64_t n, int cols, int64_t m0, int mt) {
-    if constexpr (block_values(T) != 32)
-        if (cols == 2 * kGroup && n + 2 * kGroup <= c.grouped)
-            return c.stream ? groups_avx512<T, true, 2>(c, n, m0, mt) : groups_avx512<T, false, 2>(c, n, m0, mt);
+    if (cols == 2 * kGroup && n + 2 * kGroup <= c.grouped)
+        return c.stream ? groups_avx512<T, true, 2>(c, n, m0, mt) : groups_avx512<T, false, 2>(c, n, m0, mt);
     for (int64_t g = n; g < n + cols; g += kGroup) {
         if (g >= c.grouped) return rows_portable_grouped<T>(c, g, int(n + cols - g), m0, mt);
         c.stream ? groups_avx512<T, true, 1>(c, g, m0, mt) : groups_avx512<T, false, 1>(c, g, m0, mt);
