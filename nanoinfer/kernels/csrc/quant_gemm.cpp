@@ -149,7 +149,7 @@ RowsFn pick(int qtype, int path) {
 void drive_chunk(const Ctx& c, RowsFn fn, int64_t ch) {
     const int64_t n0 = ch * NCHUNK, n1 = std::min(c.N, n0 + NCHUNK);
     if (c.M <= 2 * MT) {
-        const int64_t step = c.grouped ? 2 * kGroup : 8;  // two repacked groups: the AVX-512 K-quant tile's 16 rows
+        const int64_t step = c.grouped ? 2 * kGroup : 8;  // two repacked groups: the AVX-512 tiles' 16 rows
         for (int64_t n = n0; n < n1; n += step)
             for (int64_t m0 = 0; m0 < c.M; m0 += MT)
                 fn(c, n, int(std::min<int64_t>(step, n1 - n)), m0, int(std::min<int64_t>(MT, c.M - m0)));
