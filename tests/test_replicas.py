@@ -93,6 +93,8 @@ def test_two_replicas_behind_one_endpoint(llama_dir):
         async def load_and_kill():
             client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
 
+            streaming = asyncio.Semaphore(0)  # released once per stream that has its first chunk
+
             async def long(i: int):
                 try:
                     stream = await client.completions.create(model="m", prompt=texts[i], max_tokens=200, temperature=0,
@@ -100,12 +102,16 @@ def test_two_replicas_behind_one_endpoint(llama_dir):
                     n = 0
                     async for _ in stream:
                         n += 1
+                        if n == 1:
+                            streaming.release()
                     return n
                 except openai.APIError as e:
+                    streaming.release()
                     return e
 
             tasks = [asyncio.create_task(long(i)) for i in range(8)]
-            await asyncio.sleep(1.0)
+            for _ in range(8):  # every stream under way (a fast CPU ran 200 tokens out before a fixed sleep ended)
+                await asyncio.wait_for(streaming.acquire(), 60)
             os.kill(victim.pid, signal.SIGKILL)
             results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
             after = await asyncio.gather(*(client.completions.create(model="m", prompt=t, max_tokens=8, temperature=0)

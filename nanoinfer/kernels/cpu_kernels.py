@@ -30,6 +30,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import shlex
 import shutil
 import subprocess
@@ -47,12 +48,18 @@ SOURCES = [CSRC / name for name in ("paged_attention.cpp", "packed_gemm.cpp", "l
                                     "decoder_stack.cpp", "sampling.cpp", "routed_experts.cpp")]
 # -ffast-math lets the dot products and sums vectorise; infinities stay (the softmax max starts at -inf).
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++17", "-fPIC"]
+# No VNNI from the auto-vectoriser: on a CPU with it, GCC 12 turned a plain int8 x int8 dot-product
+# loop into vpdpbusd (u8 x s8) and got it wrong (tests/test_quant_types.py's toy type, an Intel
+# Xeon with AVX-512 VNNI). The AVX-512 kernels ask for VNNI in their own target attributes.
+NO_AUTO_VNNI = ["-mno-avxvnni", "-mno-avx512vnni"] if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686") else []
 
 
 def _flags() -> list[str]:
     """FLAGS plus $NANOINFER_CXXFLAGS (the tests build with -DQG_EMULATE_AVX512 to run the
     AVX-512 path through SIMDe on CPUs without it)."""
-    return FLAGS + shlex.split(os.environ.get("NANOINFER_CXXFLAGS", ""))
+    extra = shlex.split(os.environ.get("NANOINFER_CXXFLAGS", ""))
+    # (SIMDe's emulated AVX-512 maps to the native instructions the compiler may use: left as is)
+    return FLAGS + ([] if "-DQG_EMULATE_AVX512" in extra else NO_AUTO_VNNI) + extra
 # (query dtype, cache dtype) -> entry point; fp32 queries over a bf16 cache: the block-format path
 DECODE_ENTRY_POINTS = {(torch.float32, torch.float32): "paged_decode_f32", (torch.bfloat16, torch.bfloat16): "paged_decode_bf16",
                        (torch.float32, torch.bfloat16): "paged_decode_f32_bf16kv",
