@@ -130,6 +130,15 @@ QG_AVX512 inline VecI<G> q6_weights_of(const uint8_t* const* gb, int h, int t, i
     return v_or(lo4, hi2);
 }
 
+// Block b of each of the G groups from row n on (group_bytes each), prefetching ahead when PF.
+template <int G, bool PF>
+QG_AVX512 inline void group_blocks(const Ctx& c, int64_t n, int64_t b, int group_bytes, const uint8_t** gb) {
+    for (int k = 0; k < G; k++) {
+        gb[k] = c.w + (n + kGroup * k) * c.rb + b * group_bytes;
+        if constexpr (PF) prefetch_ahead(gb[k], group_bytes);
+    }
+}
+
 // Rows m0 .. m0 + R - 1 of the tile's outputs n .. n + 8G - 1, plus the bias.
 template <int G, int R>
 QG_AVX512 inline void store_groups(const Ctx& c, int64_t n, int64_t m0, const VecF<G>* acc) {
@@ -179,10 +188,7 @@ QG_AVX512 void group32_avx512(const Ctx& c, int64_t n, int64_t m0) {
     for (int i = 0; i < R; i++) acc[i] = F{};
     for (int64_t b = 0; b < c.nb; b++) {
         const uint8_t* gb[G];
-        for (int k = 0; k < G; k++) {
-            gb[k] = c.w + (n + kGroup * k) * c.rb + b * L::group_bytes;
-            if constexpr (PF) prefetch_ahead(gb[k], L::group_bytes);
-        }
+        group_blocks<G, PF>(c, n, b, L::group_bytes, gb);
         I p[R];
         for (int i = 0; i < R; i++) p[i] = I{};
         if constexpr (T == Q8_0) {
@@ -230,10 +236,7 @@ QG_AVX512 void groupk_avx512(const Ctx& c, int64_t n, int64_t m0) {
     for (int i = 0; i < R; i++) acc[i] = F{};
     for (int64_t b = 0; b < c.nb; b++) {
         const uint8_t* gb[G];
-        for (int k = 0; k < G; k++) {
-            gb[k] = c.w + (n + kGroup * k) * c.rb + b * L::group_bytes;
-            if constexpr (PF) prefetch_ahead(gb[k], L::group_bytes);
-        }
+        group_blocks<G, PF>(c, n, b, L::group_bytes, gb);
         I isum[R];
         for (int i = 0; i < R; i++) isum[i] = I{};
         __m256i part[G];
