@@ -21,6 +21,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <algorithm>
+#include <type_traits>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -67,6 +68,30 @@ inline __m256 load8(const float* r, int64_t i) { return _mm256_loadu_ps(r + i); 
 inline __m256 load8(const BF16* r, int64_t i) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + i))), 16));
 }
+// Values i .. i + 15 of a head's row (i a multiple of 16) as two vectors, in `lanes16` order: a
+// float row as it is (a: 0-7, b: 8-15); a bf16 row through unpacking with zeros, one shuffle a
+// vector and no shift (a: 0-3 and 8-11, b: 4-7 and 12-15). Each lane's sums are the same either
+// way; only where a value sits differs, and the other operand (the query, the accumulators) is laid
+// out alike (lanes16).
+inline void load16(const float* r, int64_t i, __m256& a, __m256& b) {
+    a = _mm256_loadu_ps(r + i);
+    b = _mm256_loadu_ps(r + i + 8);
+}
+inline void load16(const BF16* r, int64_t i, __m256& a, __m256& b) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + i)), z = _mm256_setzero_si256();
+    a = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, x));
+    b = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, x));
+}
+// D values in natural order -> load16's order for T (to: true) or back (false), in place.
+template <typename T>
+inline void lanes16(float* x, int64_t D, bool /*to*/) {
+    if constexpr (std::is_same_v<T, BF16>)
+        for (int64_t i = 0; i < D; i += 16)
+            for (int j = 4; j < 8; j++) std::swap(x[i + j], x[i + j + 4]);  // its own inverse
+    else
+        (void)x, (void)D;
+}
+
 // q8_0 rows: 8 int8 values of a block as floats, and a block's scale.
 inline __m256 int8x8(const Q8* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
@@ -130,6 +155,107 @@ inline void dots(const float* qh, const T* rows, int64_t stride, int64_t n, floa
     for (; i < n; i++) out[i] = hsum(row_dot<D>(q, rows + i * stride));
 }
 
+// The sums of four vectors' lanes, as `hsum8x8` adds them (((0+1)+(2+3))+((4+5)+(6+7))), so a
+// row's score is the same in a group of four or eight.
+inline __m128 hsum4x8(const __m256* a) {
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+// Scores of NG query heads (q, q + D, ..., in load16's order) over n rows of one kv head's keys,
+// `stride` elements apart: out[g * out_step + i] = q_g . row i. Each key chunk is loaded (and
+// widened) once for the NG heads; R rows at a time keep NG * R sums in flight. A score is one
+// chain of multiply-adds per lane and hsum8x8's lane sum, whatever NG and R (a short last group
+// recomputes its first row and drops it).
+template <int D, int NG, typename T>
+inline void dots_heads(const float* q, const T* rows, int64_t stride, int64_t n, float* out, int64_t out_step) {
+    constexpr int R = NG == 1 ? 8 : NG == 2 ? 4 : NG == 3 ? 4 : 2;
+    for (int64_t i = 0; i < n; i += R) {
+        const int64_t rn = std::min<int64_t>(R, n - i);
+        __m256 a[NG][R];
+        for (int j = 0; j < R; j++) {
+            const T* r = rows + (i + (j < rn ? j : 0)) * stride;
+            __m256 k0, k1;
+            load16(r, 0, k0, k1);
+            for (int g = 0; g < NG; g++) a[g][j] = _mm256_mul_ps(_mm256_loadu_ps(q + g * D), k0);
+            for (int g = 0; g < NG; g++) a[g][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + 8), k1, a[g][j]);
+            for (int c = 16; c < D; c += 16) {
+                load16(r, c, k0, k1);
+                for (int g = 0; g < NG; g++) a[g][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + c), k0, a[g][j]);
+                for (int g = 0; g < NG; g++) a[g][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + c + 8), k1, a[g][j]);
+            }
+        }
+        for (int g = 0; g < NG; g++) {
+            alignas(32) float sums[8];
+            if constexpr (R == 8) {
+                _mm256_store_ps(sums, hsum8x8(a[g]));
+            } else {
+                for (int j0 = 0; j0 < R; j0 += 4) {
+                    __m256 four[4];
+                    for (int j = 0; j < 4; j++) four[j] = j0 + j < R ? a[g][j0 + j] : a[g][0];
+                    _mm_store_ps(sums + j0, hsum4x8(four));
+                }
+            }
+            for (int64_t j = 0; j < rn; j++) out[g * out_step + i + j] = sums[j];
+        }
+    }
+}
+
+// acc_g[d] += sum_i p_g[i] * row i's value d for NG heads (p_g = p + g * p_step, acc_g = acc + g *
+// acc_step, both in load16's order), over n rows `stride` elements apart: 32 values at a time, each
+// row's chunk loaded (and widened) once for the NG heads, the sums in registers.
+template <int D, int NG, typename T>
+inline void weighted_heads(const float* p, int64_t p_step, const T* rows, int64_t stride, int64_t n, float* acc,
+                           int64_t acc_step) {
+    for (int c = 0; c < D; c += 32) {
+        __m256 a[NG][4];
+        for (int g = 0; g < NG; g++)
+            for (int j = 0; j < 4; j++) a[g][j] = _mm256_loadu_ps(acc + g * acc_step + c + 8 * j);
+        for (int64_t i = 0; i < n; i++) {
+            const T* r = rows + i * stride;
+            __m256 v[4];
+            load16(r, c, v[0], v[1]);
+            load16(r, c + 16, v[2], v[3]);
+            for (int g = 0; g < NG; g++) {
+                const __m256 w = _mm256_broadcast_ss(p + g * p_step + i);
+                for (int j = 0; j < 4; j++) a[g][j] = _mm256_fmadd_ps(w, v[j], a[g][j]);
+            }
+        }
+        for (int g = 0; g < NG; g++)
+            for (int j = 0; j < 4; j++) _mm256_storeu_ps(acc + g * acc_step + c + 8 * j, a[g][j]);
+    }
+}
+
+// The weighted values of query heads [h0, h1) (G to a kv head, kv head hk0 first) over n rows:
+// each kv head's query heads three at a time.
+template <int D, typename T>
+inline void weighted_all(const float* s, int64_t S, const T* rows, int64_t stride, int64_t step, int64_t n, int64_t h0,
+                         int64_t h1, int64_t G, int64_t hk0, float* acc) {
+    for (int64_t h = h0; h < h1;) {
+        const int64_t hk = h / G, left = std::min<int64_t>((hk + 1) * G, h1) - h;
+        const T* r = rows + (hk - hk0) * step;
+        if (left >= 3) weighted_heads<D, 3>(s + h * S, S, r, stride, n, acc + h * D, D), h += 3;
+        else if (left == 2) weighted_heads<D, 2>(s + h * S, S, r, stride, n, acc + h * D, D), h += 2;
+        else weighted_heads<D, 1>(s + h * S, S, r, stride, n, acc + h * D, D), h += 1;
+    }
+}
+
+// The scores of query heads [h0, h1), G to a kv head (kv head hk0 first), over n rows of keys:
+// each kv head's query heads three at a time.
+template <int D, typename T>
+inline void dots_all(const float* qf, const T* rows, int64_t stride, int64_t step, int64_t n, int64_t h0, int64_t h1,
+                     int64_t G, int64_t hk0, float* s, int64_t S) {
+    for (int64_t h = h0; h < h1;) {
+        const int64_t hk = h / G, left = std::min<int64_t>((hk + 1) * G, h1) - h;
+        const T* r = rows + (hk - hk0) * step;
+        const float* q = qf + h * D;
+        float* out = s + h * S;
+        if (left >= 3) dots_heads<D, 3>(q, r, stride, n, out, S), h += 3;
+        else if (left == 2) dots_heads<D, 2>(q, r, stride, n, out, S), h += 2;
+        else dots_heads<D, 1>(q, r, stride, n, out, S), h += 1;
+    }
+}
+
 // acc[0..63] += sum_i p[i] * (values d0 .. d0 + 63 of row i), in registers.
 template <typename T>
 inline void weighted64(const float* p, const T* rows, int64_t d0, int64_t stride, int64_t n, float* acc) {
@@ -159,61 +285,103 @@ inline void weighted64(const float* p, const Q8* rows, int64_t d0, int64_t strid
     for (int c = 0; c < 8; c++) _mm256_storeu_ps(acc + 8 * c, a[c]);
 }
 
+// The next block's rows of the heads read (`span` elements from `head` in each token's row): only
+// the lines that will be read, contiguous when every head is.
+template <typename T>
+inline void prefetch_heads(const T* cache, const int64_t* table, int64_t t, int64_t n, int64_t bs, int64_t row,
+                           int64_t head, int64_t span) {
+    if (t >= n) return;
+    const char* p = reinterpret_cast<const char*>(cache + table[t / bs] * bs * row + head);
+    const int64_t bytes = span * int64_t(sizeof(T)), step = row * int64_t(sizeof(T));
+    if (span == row) {
+        for (int64_t off = 0; off < bs * bytes; off += 64) __builtin_prefetch(p + off);
+        return;
+    }
+    for (int64_t j = 0; j < bs; j++, p += step)
+        for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+}
+
 // fn(i, rows, count) for each run of consecutive tokens [t0 + i, t0 + i + count) in one block:
-// rows points at the first one's [Hkv, D]; the next block is prefetched.
+// rows points at the first one's [Hkv, D]; the next block's rows of the heads read are prefetched.
 template <typename T, typename Fn>
-inline void for_each_run(const T* cache, const int64_t* table, int64_t t0, int64_t t1, int64_t bs, int64_t row, Fn fn) {
+inline void for_each_run(const T* cache, const int64_t* table, int64_t t0, int64_t t1, int64_t bs, int64_t row,
+                         int64_t head, int64_t span, Fn fn) {
     for (int64_t t = t0; t < t1;) {
         const Run run = block_run(table, t, t1, bs);
-        prefetch_block(cache, table, t + run.count, t1, bs, row);
+        prefetch_heads(cache, table, t + run.count, t1, bs, row, head, span);
         fn(t - t0, cache + run.slot * row, run.count);
         t += run.count;
     }
 }
+
+// The largest of x[0..n), exactly (any order gives the same maximum).
+inline float max_of(const float* x, int64_t n) {
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m);
+    float top = -INFINITY;
+    for (float v : lanes) top = v > top ? v : top;
+    for (; i < n; i++) top = x[i] > top ? x[i] : top;
+    return top;
+}
 #endif
 
-// One sequence's tokens [t0, t1), the query heads of kv head hk. qf: [H, D] fp32, already
-// scaled. s: [H, t1 - t0] scratch. Out, per head h: m[h] the largest score, l[h] = sum of e^(score - m[h]), and
-// acc[h * D ...] = sum of e^(score - m[h]) * value (not yet divided by l: the parts of a
-// sequence split over threads are merged first). D_ > 0 fixes the head size at compile time.
-// With AVX2 and D_ a multiple of 64, each head's scores come eight keys at a time and its
-// weighted values accumulate in registers (the portable loops kept them in memory: 1.5x slower
-// at a 1000-token context).
+// One sequence's tokens [t0, t1), the query heads of kv heads [hk0, hk1). qf: [H, D] fp32,
+// already scaled (the fast path reorders its heads in place). s: [H, t1 - t0] scratch. Out, per
+// head h: m[h] the largest score, l[h] = sum of e^(score - m[h]), and acc[h * D ...] = sum of
+// e^(score - m[h]) * value (not yet divided by l: the parts of a sequence split over threads are
+// merged first). D_ > 0 fixes the head size at compile time. With AVX2 and D_ a multiple of 64,
+// the sums stay in registers and each key and value chunk is loaded (and a bf16 one widened) once
+// for all the query heads of its kv head (the portable loops kept the sums in memory: 1.5x slower
+// at a 1000-token context). A head's sums are the same whichever range of kv heads it is
+// computed with.
 template <typename T, int D_>
-void attend_part(const float* qf, const T* k, const T* v, const int64_t* table, int64_t t0, int64_t t1,
-                 int64_t bs, int64_t Hkv, int64_t hk, int64_t G, int64_t D, float softcap, float* s, float* acc,
-                 float* m, float* l) {
+void attend_part(float* qf, const T* k, const T* v, const int64_t* table, int64_t t0, int64_t t1,
+                 int64_t bs, int64_t Hkv, int64_t hk0, int64_t hk1, int64_t G, int64_t D, float softcap, float* s,
+                 float* acc, float* m, float* l) {
     if (D_ > 0) D = D_;
     const int64_t S = t1 - t0, hs = head_stride<T>(D), row = Hkv * hs;
+    const int64_t h0 = hk0 * G, h1 = hk1 * G;
 #if defined(__AVX2__) && defined(__FMA__)
     constexpr bool fast = D_ > 0 && D_ % 64 == 0;
+    constexpr int DF = D_ > 0 ? D_ : 64;
 #else
     constexpr bool fast = false;
 #endif
     if constexpr (fast) {
 #if defined(__AVX2__) && defined(__FMA__)
-        for (int64_t h = hk * G; h < (hk + 1) * G; h++)
-            for_each_run(k, table, t0, t1, bs, row, [&](int64_t i, const T* rows, int64_t n) {
-                dots<(D_ > 0 ? D_ : 64)>(qf + h * D, rows + hk * hs, row, n, s + h * S + i);
-            });
+        for (int64_t h = h0; h < h1; h++) lanes16<T>(qf + h * D, D, true);
+        for_each_run(k, table, t0, t1, bs, row, hk0 * hs, (hk1 - hk0) * hs, [&](int64_t i, const T* rows, int64_t n) {
+            if constexpr (std::is_same_v<T, Q8>) {
+                for (int64_t h = h0; h < h1; h++) dots<DF>(qf + h * D, rows + h / G * hs, row, n, s + h * S + i);
+            } else {
+                dots_all<DF>(qf, rows + hk0 * hs, row, hs, n, h0, h1, G, hk0, s + i, S);
+            }
+        });
 #endif
     } else {
         for_each_row(k, table, t0, t1, bs, row, [&](int64_t i, const T* kp) {  // scores
-            for (int64_t h = hk * G; h < (hk + 1) * G; h++) {
+            for (int64_t h = h0; h < h1; h++) {
                 const float* qh = qf + h * D;
-                const T* kh = kp + hk * hs;
+                const T* kh = kp + h / G * hs;
                 float a = 0.f;
                 for (int64_t d = 0; d < D; d++) a += qh[d] * load(kh, d);
                 s[h * S + i] = a;
             }
         });
     }
-    for (int64_t h = hk * G; h < (hk + 1) * G; h++) {
+    for (int64_t h = h0; h < h1; h++) {
         float* sh = s + h * S;
         float mh = -INFINITY, lh = 0.f;
         if (softcap > 0.f)
             for (int64_t i = 0; i < S; i++) sh[i] = softcap * std::tanh(sh[i] / softcap);
+#if defined(__AVX2__) && defined(__FMA__)
+        mh = max_of(sh, S);
+#else
         for (int64_t i = 0; i < S; i++) mh = sh[i] > mh ? sh[i] : mh;
+#endif
         for (int64_t i = 0; i < S; i++) sh[i] = exp_nonpositive(sh[i] - mh);
         for (int64_t i = 0; i < S; i++) lh += sh[i];
         m[h] = mh;
@@ -222,17 +390,22 @@ void attend_part(const float* qf, const T* k, const T* v, const int64_t* table, 
     }
     if constexpr (fast) {
 #if defined(__AVX2__) && defined(__FMA__)
-        for (int64_t h = hk * G; h < (hk + 1) * G; h++)
-            for (int64_t d0 = 0; d0 < D; d0 += 64)
-                for_each_run(v, table, t0, t1, bs, row, [&](int64_t i, const T* rows, int64_t n) {
-                    weighted64(s + h * S + i, rows + hk * hs, d0, row, n, acc + h * D + d0);
-                });
+        for_each_run(v, table, t0, t1, bs, row, hk0 * hs, (hk1 - hk0) * hs, [&](int64_t i, const T* rows, int64_t n) {
+            if constexpr (std::is_same_v<T, Q8>) {
+                for (int64_t h = h0; h < h1; h++)
+                    for (int64_t d0 = 0; d0 < D; d0 += 64)
+                        weighted64(s + h * S + i, rows + h / G * hs, d0, row, n, acc + h * D + d0);
+            } else {
+                weighted_all<DF>(s + i, S, rows + hk0 * hs, row, hs, n, h0, h1, G, hk0, acc);
+            }
+        });
+        for (int64_t h = h0; h < h1; h++) lanes16<T>(acc + h * D, D, false);
 #endif
     } else {
         for_each_row(v, table, t0, t1, bs, row, [&](int64_t i, const T* vp) {  // weighted values
-            for (int64_t h = hk * G; h < (hk + 1) * G; h++) {
+            for (int64_t h = h0; h < h1; h++) {
                 const float p = s[h * S + i];
-                const T* vh = vp + hk * hs;
+                const T* vh = vp + h / G * hs;
                 float* ah = acc + h * D;
                 for (int64_t d = 0; d < D; d++) ah[d] += p * load(vh, d);
             }
@@ -270,11 +443,19 @@ __attribute__((noinline)) void paged_decode_team(const TQ* q, const int64_t* row
     const int64_t unit_size = H * (D + 2);  // a part's acc [H, D], m [H], l [H], kept for the merge
     const int64_t total = offset[B];
     float* qf = s + H * max_ctx;
-    // a work item: one unit's heads of one kv head (they share its keys; each head's sums
-    // are the same whichever item computes them)
+    // A work item: one unit's query heads of all the kv heads, reading each token's keys and values
+    // whole (a kv head's alone is a third of a row's lines or less, and the lines between are
+    // fetched all the same); of one kv head where there are too few units to keep every thread
+    // busy (a short batch-1 decode). Each head's sums are the same whichever item computes them.
+#ifdef _OPENMP
+    const int64_t threads = omp_get_num_threads();
+#else
+    const int64_t threads = 1;
+#endif
+    const int64_t split = total >= 2 * threads ? 1 : Hkv, per_item = Hkv / split;
 #pragma omp for schedule(dynamic)
-    for (int64_t item = 0; item < total * Hkv; item++) {
-        const int64_t u = item / Hkv, hk = item % Hkv;
+    for (int64_t item = 0; item < total * split; item++) {
+        const int64_t u = item / split, hk0 = item % split * per_item, hk1 = hk0 + per_item;
         const int64_t b = std::upper_bound(offset, offset + B + 1, u) - offset - 1;
         const int64_t part = u - offset[b], parts = offset[b + 1] - offset[b];
         const int64_t n = ctx[b], start = window > 0 && n > window ? n - window : 0;
@@ -283,16 +464,19 @@ __attribute__((noinline)) void paged_decode_team(const TQ* q, const int64_t* row
         float* acc = units + u * unit_size;
         float *m = acc + H * D, *l = m + H;
         if (t0 >= t1) {  // more parts than blocks: this one is empty
-            for (int64_t i = hk * G * D; i < (hk + 1) * G * D; i++) acc[i] = 0.f;
-            for (int64_t h = hk * G; h < (hk + 1) * G; h++) m[h] = -INFINITY, l[h] = 0.f;
+            for (int64_t i = hk0 * G * D; i < hk1 * G * D; i++) acc[i] = 0.f;
+            for (int64_t h = hk0 * G; h < hk1 * G; h++) m[h] = -INFINITY, l[h] = 0.f;
             continue;
         }
         const TQ* qb = q + rows[b] * H * D;
-        for (int64_t i = hk * G * D; i < (hk + 1) * G * D; i++) qf[i] = load(qb, i) * scale;
+        for (int64_t i = hk0 * G * D; i < hk1 * G * D; i++) qf[i] = load(qb, i) * scale;
         const int64_t* table = tables + b * width;
-        if (D == 64) attend_part<TKV, 64>(qf, k, v, table, t0, t1, bs, Hkv, hk, G, D, softcap, s, acc, m, l);
-        else if (D == 128) attend_part<TKV, 128>(qf, k, v, table, t0, t1, bs, Hkv, hk, G, D, softcap, s, acc, m, l);
-        else attend_part<TKV, 0>(qf, k, v, table, t0, t1, bs, Hkv, hk, G, D, softcap, s, acc, m, l);
+        if (D == 64)
+            attend_part<TKV, 64>(qf, k, v, table, t0, t1, bs, Hkv, hk0, hk1, G, D, softcap, s, acc, m, l);
+        else if (D == 128)
+            attend_part<TKV, 128>(qf, k, v, table, t0, t1, bs, Hkv, hk0, hk1, G, D, softcap, s, acc, m, l);
+        else
+            attend_part<TKV, 0>(qf, k, v, table, t0, t1, bs, Hkv, hk0, hk1, G, D, softcap, s, acc, m, l);
     }
     // merge each sequence's parts: rescale to the largest max, then divide by the total
 #pragma omp for schedule(static)

@@ -74,7 +74,8 @@ namespace {
 enum : int { PATH_BEST = 0, PATH_PORTABLE = 1, PATH_AVX2 = 2, PATH_AVX512 = 3 };
 
 constexpr int64_t NCHUNK = 16;   // weight rows per unit of work (a thread's share is whole chunks)
-constexpr int MT = 4;            // activation rows per tile: one weight block decoded serves them all
+constexpr int MT = kTileRows;    // activation rows per tile: one weight block decoded serves them all
+constexpr int64_t kStreamRows = 8;  // up to this many rows (decode sizes) each weight row is read once
 
 #if !defined(QG_X86)
 bool have_avx2() { return false; }
@@ -148,7 +149,7 @@ RowsFn pick(int qtype, int path) {
 // sweep a chunk of rows (kept in L1/L2) per tile of activation rows.
 void drive_chunk(const Ctx& c, RowsFn fn, int64_t ch) {
     const int64_t n0 = ch * NCHUNK, n1 = std::min(c.N, n0 + NCHUNK);
-    if (c.M <= 2 * MT) {
+    if (c.stream) {
         const int64_t step = c.grouped ? 2 * kGroup : 8;  // two repacked groups: the AVX-512 tiles' 16 rows
         for (int64_t n = n0; n < n1; n += step)
             for (int64_t m0 = 0; m0 < c.M; m0 += MT)
@@ -230,7 +231,7 @@ Ctx linear_ctx(int qtype, const float* x, int64_t M, int64_t K, const uint8_t* w
                const float* bias, float* y, int64_t ldy) {
     const int64_t nb = K / block_values(qtype);
     return Ctx{M, K, N, nb, nb * block_bytes(qtype), w, x, nullptr, nullptr, nullptr, nullptr, nullptr, bias, y, ldy,
-               M <= 2 * MT, repacked ? N - N % interleave_of(qtype) : 0};
+               M <= kStreamRows, repacked ? N - N % interleave_of(qtype) : 0};
 }
 
 // out[r] = row rows[r] of w dequantised, block by block with the record's dequantize (a

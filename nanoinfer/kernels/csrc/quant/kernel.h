@@ -83,7 +83,9 @@ struct Ctx {
 };
 
 // A path's kernel for one type: outputs y[m0 .. m0 + mt - 1, n .. n + cols - 1] (cols <= 16,
-// mt <= 4), each as the type's dot computes it.
+// mt <= kTileRows), each as the type's dot computes it; a path takes the rows in tiles as tall
+// as its registers allow.
+constexpr int kTileRows = 8;
 using RowsFn = void (*)(const Ctx&, int64_t n, int cols, int64_t m0, int mt);
 
 // One activation row, as a type's dot (types.def) takes it: x in fp32 (acts f32), or q in

@@ -436,13 +436,16 @@ QG_AVX2 void tile_avx2(const Ctx& c, int64_t n, int64_t m0) {
     else tile16_avx2<T, R, PF>(c, n, m0);
 }
 
+// Tiles of at most 4 rows (16 ymm registers).
 template <int T, bool PF>
 QG_AVX2 void tiles_avx2(const Ctx& c, int64_t n, int64_t m0, int mt) {
-    switch (mt) {
-        case 4: tile_avx2<T, 4, PF>(c, n, m0); break;
-        case 3: tile_avx2<T, 3, PF>(c, n, m0); break;
-        case 2: tile_avx2<T, 2, PF>(c, n, m0); break;
-        default: tile_avx2<T, 1, PF>(c, n, m0); break;
+    for (int64_t m = m0; m < m0 + mt; m += 4) {
+        switch (std::min<int64_t>(4, m0 + mt - m)) {
+            case 4: tile_avx2<T, 4, PF>(c, n, m); break;
+            case 3: tile_avx2<T, 3, PF>(c, n, m); break;
+            case 2: tile_avx2<T, 2, PF>(c, n, m); break;
+            default: tile_avx2<T, 1, PF>(c, n, m); break;
+        }
     }
 }
 

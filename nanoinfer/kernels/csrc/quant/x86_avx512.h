@@ -313,13 +313,26 @@ QG_AVX512 void group_avx512(const Ctx& c, int64_t n, int64_t m0) {
     else groupk_avx512<T, R, PF, G>(c, n, m0);
 }
 
+// The 32-value types' tiles take up to 8 rows (32 registers: 8 sums, 8 accumulators, the
+// weights); the K-quants' keep two chains of sums a row and take 4.
 template <int T, bool PF, int G>
 QG_AVX512 void groups_avx512(const Ctx& c, int64_t n, int64_t m0, int mt) {
-    switch (mt) {
-        case 4: group_avx512<T, 4, PF, G>(c, n, m0); break;
-        case 3: group_avx512<T, 3, PF, G>(c, n, m0); break;
-        case 2: group_avx512<T, 2, PF, G>(c, n, m0); break;
-        default: group_avx512<T, 1, PF, G>(c, n, m0); break;
+    if constexpr (block_values(T) == 32) {
+        switch (mt) {
+            case 8: return group_avx512<T, 8, PF, G>(c, n, m0);
+            case 7: return group_avx512<T, 7, PF, G>(c, n, m0);
+            case 6: return group_avx512<T, 6, PF, G>(c, n, m0);
+            case 5: return group_avx512<T, 5, PF, G>(c, n, m0);
+            default: break;
+        }
+    }
+    for (int64_t m = m0; m < m0 + mt; m += 4) {
+        switch (std::min<int64_t>(4, m0 + mt - m)) {
+            case 4: group_avx512<T, 4, PF, G>(c, n, m); break;
+            case 3: group_avx512<T, 3, PF, G>(c, n, m); break;
+            case 2: group_avx512<T, 2, PF, G>(c, n, m); break;
+            default: group_avx512<T, 1, PF, G>(c, n, m); break;
+        }
     }
 }
 
