@@ -87,12 +87,18 @@ def start_server(args: list[str], *, command: list[str] | None = None, startup_t
 
 @contextlib.contextmanager
 def run_server(args: list[str], **kwargs) -> Iterator[str]:
-    """Yield the base URL of a running server; stop it gracefully afterwards."""
+    """Yield the base URL of a running server; stop it gracefully afterwards. A server that
+    exited on its own meanwhile is an error that shows its log (a test's own failure, a
+    disconnected request, says nothing of why)."""
     server = start_server(args, **kwargs)
     try:
         yield server.url
     finally:
+        exited = server.proc.poll()
         server.stop()
+        if exited is not None:
+            raise RuntimeError(f"the server exited on its own (code {exited}); its log {server.log}:\n"
+                               f"{server.output()[-4000:]}")
 
 
 @contextlib.contextmanager

@@ -105,6 +105,27 @@ def test_kernel_matches_pytorch_bf16(case):
     assert (got[rows] - ref[rows]).abs().mean() < 2e-3
 
 
+@pytest.mark.parametrize("q_dtype,kv_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                               (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], (8, 2, 64, 16, [600, 5, 70], None)])
+def test_a_row_is_the_same_bits_alone_and_in_a_batch(case, q_dtype, kv_dtype):
+    """A batch with enough runs for every thread reads each token's keys and values for all kv
+    heads in one work item; a row alone splits its heads over the threads: the same bits."""
+    heads, kv_heads, head_dim, block_size, ctx, window = case
+    _, (cache, tables, ctx_t, params), q, *_ = random_batch(4, kv_dtype, heads, kv_heads, head_dim, block_size,
+                                                             ctx, window)
+    q = q.to(q_dtype)
+    k_cache, v_cache = cache.layer(0)
+    rows = torch.arange(len(ctx))
+    together = torch.empty_like(q)
+    cpu_kernels.paged_decode(q, together, rows, k_cache, v_cache, tables, ctx_t, max(ctx), window, params.scale)
+    for b in range(len(ctx)):
+        alone = torch.empty_like(q)
+        cpu_kernels.paged_decode(q, alone, rows[b:b + 1].contiguous(), k_cache, v_cache, tables[b:b + 1].contiguous(),
+                                 ctx_t[b:b + 1].contiguous(), ctx[b], window, params.scale)
+        assert torch.equal(alone[b], together[b]), b
+
+
 def test_kernel_leaves_other_rows_alone():
     """Rows that are not decodes (prefill rows, handled elsewhere) are not written."""
     _, (cache, tables, ctx, params), q, k, v, rows = random_batch(2, torch.float32, 9, 3, 64, 16, [20, 3], None)

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "common.h"
+#include "side_prefetch.h"
 #include "team.h"
 
 namespace {
@@ -265,6 +266,16 @@ extern "C" int decoder_stack(const StackModel* m, const StackStep* s) {
                     for (int64_t t = 0; t < T; t++)
                         for (int64_t hd = 0; hd < H; hd++) hadamard_blocks(att + (t * H + hd) * D, D, rot_v);
                 }
+                if (l + 1 < m->num_layers) {  // the next layer's keys and values, fetched while the GEMMs run
+                    const StackLayer& next = m->layers[l + 1];
+#pragma omp single
+                    nanoinfer::attention_plan(s->ctx, T, next.window, offset);
+                    nanoinfer::attention_side_prefetch(next.k_cache, next.v_cache, int(kv_format),
+                                                       s->tables[next.kv_group], s->width, s->ctx, T, Hkv, D,
+                                                       m->block_size, next.window, offset);
+                } else {
+                    nanoinfer::side_prefetch().clear();
+                }
                 r = linear(L.o, att, T, H * D, proj, s->path, qacts);
             }
             if (!r) {
@@ -302,6 +313,7 @@ extern "C" int decoder_stack(const StackModel* m, const StackStep* s) {
                 break;
             }
         }
+        nanoinfer::side_prefetch().clear();  // nothing left pointing into this step's cache
     }
     return rc;
 }

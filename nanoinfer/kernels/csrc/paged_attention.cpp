@@ -27,6 +27,7 @@
 #include <immintrin.h>
 #endif
 #include "common.h"
+#include "side_prefetch.h"
 #include "team.h"
 #ifdef _OPENMP
 #include <omp.h>
@@ -430,6 +431,29 @@ int64_t paged_attention_plan(const int64_t* ctx, int64_t B, int64_t window, int6
     return offset[B];
 }
 
+// Sequence b of work unit u (units from paged_attention_plan's `offset`) and the tokens
+// [t0, t1) it covers (empty where a short sequence has more parts than blocks).
+inline void unit_tokens(const int64_t* offset, int64_t B, const int64_t* ctx, int64_t window, int64_t bs, int64_t u,
+                        int64_t& b, int64_t& t0, int64_t& t1) {
+    b = std::upper_bound(offset, offset + B + 1, u) - offset - 1;
+    const int64_t part = u - offset[b], parts = offset[b + 1] - offset[b];
+    const int64_t n = ctx[b], start = window > 0 && n > window ? n - window : 0;
+    const int64_t first = start / bs, blocks = (n + bs - 1) / bs - first, per = (blocks + parts - 1) / parts;
+    t0 = std::max(start, (first + part * per) * bs);
+    t1 = std::min(n, (first + (part + 1) * per) * bs);
+}
+
+// Work items per unit: 1 (all kv heads), or one per kv head where there are too few units to
+// keep every thread busy (a short batch-1 decode). Item i runs on thread i % threads.
+inline int64_t items_per_unit(int64_t units, int64_t Hkv) {
+#ifdef _OPENMP
+    const int64_t threads = omp_get_num_threads();
+#else
+    const int64_t threads = 1;
+#endif
+    return units >= 2 * threads ? 1 : Hkv;
+}
+
 // The body of paged_decode, run by every thread of a team: units from paged_attention_plan
 // (`offset`), `units` room for offset[B] * H * (D + 2) floats, `s` this thread's room for
 // H * (max_ctx + D) floats. Ends with the team's barrier. Never inlined: the C entry points
@@ -445,22 +469,15 @@ __attribute__((noinline)) void paged_decode_team(const TQ* q, const int64_t* row
     float* qf = s + H * max_ctx;
     // A work item: one unit's query heads of all the kv heads, reading each token's keys and values
     // whole (a kv head's alone is a third of a row's lines or less, and the lines between are
-    // fetched all the same); of one kv head where there are too few units to keep every thread
-    // busy (a short batch-1 decode). Each head's sums are the same whichever item computes them.
-#ifdef _OPENMP
-    const int64_t threads = omp_get_num_threads();
-#else
-    const int64_t threads = 1;
-#endif
-    const int64_t split = total >= 2 * threads ? 1 : Hkv, per_item = Hkv / split;
-#pragma omp for schedule(dynamic)
+    // fetched all the same); of one kv head where there are too few units (items_per_unit). Each
+    // head's sums are the same whichever item computes them. Items go round the threads in a
+    // fixed order, so the decoder stack knows which thread reads which rows (side_prefetch.h).
+    const int64_t split = items_per_unit(total, Hkv), per_item = Hkv / split;
+#pragma omp for schedule(static, 1)
     for (int64_t item = 0; item < total * split; item++) {
         const int64_t u = item / split, hk0 = item % split * per_item, hk1 = hk0 + per_item;
-        const int64_t b = std::upper_bound(offset, offset + B + 1, u) - offset - 1;
-        const int64_t part = u - offset[b], parts = offset[b + 1] - offset[b];
-        const int64_t n = ctx[b], start = window > 0 && n > window ? n - window : 0;
-        const int64_t first = start / bs, blocks = (n + bs - 1) / bs - first, per = (blocks + parts - 1) / parts;
-        const int64_t t0 = std::max(start, (first + part * per) * bs), t1 = std::min(n, (first + (part + 1) * per) * bs);
+        int64_t b, t0, t1;
+        unit_tokens(offset, B, ctx, window, bs, u, b, t0, t1);
         float* acc = units + u * unit_size;
         float *m = acc + H * D, *l = m + H;
         if (t0 >= t1) {  // more parts than blocks: this one is empty
@@ -539,6 +556,33 @@ namespace nanoinfer {
 
 int64_t attention_plan(const int64_t* ctx, int64_t B, int64_t window, int64_t* offset) {
     return paged_attention_plan(ctx, B, window, offset);
+}
+
+void attention_side_prefetch(const void* k, const void* v, int kv_format, const int64_t* tables, int64_t width,
+                             const int64_t* ctx, int64_t B, int64_t Hkv, int64_t D, int64_t bs, int64_t window,
+                             const int64_t* offset) {
+    SidePrefetch& side = side_prefetch();
+    side.clear();
+#ifdef _OPENMP
+    const int64_t tid = omp_get_thread_num(), threads = omp_get_num_threads();
+#else
+    const int64_t tid = 0, threads = 1;
+#endif
+    const int64_t total = offset[B], split = items_per_unit(total, Hkv);
+    const int64_t row = kv_format == KV_Q8_0 ? Hkv * head_stride<Q8>(D) * int64_t(sizeof(Q8))
+                                             : Hkv * D * (kv_format == KV_BF16 ? 2 : 4);
+    for (int64_t item = tid; item < total * split; item += threads) {
+        if (item % split) continue;  // a unit split by kv head: its first item's thread fetches its rows
+        int64_t b, t0, t1;
+        unit_tokens(offset, B, ctx, window, bs, item / split, b, t0, t1);
+        const int64_t* table = tables + b * width;
+        for (const void* cache : {k, v})  // the order the item reads them
+            for (int64_t t = t0; t < t1;) {
+                const int64_t end = std::min(t1, (t / bs + 1) * bs);
+                side.add(static_cast<const char*>(cache) + (table[t / bs] * bs + t % bs) * row, (end - t) * row);
+                t = end;
+            }
+    }
 }
 
 void attention_team_f32(const float* q, const int64_t* rows, const void* k, const void* v, int kv_format,

@@ -230,8 +230,9 @@ int check_linear(int qtype, int& path, int64_t K, bool repacked) {
 Ctx linear_ctx(int qtype, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, bool repacked,
                const float* bias, float* y, int64_t ldy) {
     const int64_t nb = K / block_values(qtype);
+    nanoinfer::SidePrefetch& side = nanoinfer::side_prefetch();
     return Ctx{M, K, N, nb, nb * block_bytes(qtype), w, x, nullptr, nullptr, nullptr, nullptr, nullptr, bias, y, ldy,
-               M <= kStreamRows, repacked ? N - N % interleave_of(qtype) : 0};
+               M <= kStreamRows, repacked ? N - N % interleave_of(qtype) : 0, side.pending() ? &side : nullptr};
 }
 
 // out[r] = row rows[r] of w dequantised, block by block with the record's dequantize (a

@@ -57,6 +57,11 @@ int routed_experts_team(const RoutedExperts& L, int path, const float* x, int64_
 
 // Work units of each row's attention (offset: B + 1 values); returns their number.
 int64_t attention_plan(const int64_t* ctx, int64_t B, int64_t window, int64_t* offset);
+// The calling thread's side_prefetch() ranges set to the keys and values its items of
+// attention_team_f32 will read, given the same arguments and attention_plan's offset.
+void attention_side_prefetch(const void* k, const void* v, int kv_format, const int64_t* tables, int64_t width,
+                             const int64_t* ctx, int64_t B, int64_t Hkv, int64_t D, int64_t bs, int64_t window,
+                             const int64_t* offset);
 // The KV cache's formats (attention/kv_cache.py).
 enum KVFormat : int { KV_F32 = 0, KV_BF16 = 1, KV_Q8_0 = 2 };
 // paged_decode with fp32 q and out over an fp32, bf16 or q8_0 cache. units: offset[B] * H * (D + 2)

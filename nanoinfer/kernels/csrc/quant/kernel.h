@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "../side_prefetch.h"
+
 #if defined(__x86_64__) || defined(__i386__)
 #define QG_X86 1
 #endif
@@ -80,6 +82,7 @@ struct Ctx {
     int64_t ldy;              // y[m, n] is y[m * ldy + n]
     bool stream;              // each weight row is read once (decode sizes): prefetch ahead
     int64_t grouped;          // the first `grouped` rows are in the repacked layout (quant/packed.h), 0: none
+    nanoinfer::SidePrefetch* side;  // this thread's side ranges to prefetch while streaming (side_prefetch.h), or null
 };
 
 // A path's kernel for one type: outputs y[m0 .. m0 + mt - 1, n .. n + cols - 1] (cols <= 16,
