@@ -266,7 +266,9 @@ extern "C" int decoder_stack(const StackModel* m, const StackStep* s) {
                     for (int64_t t = 0; t < T; t++)
                         for (int64_t hd = 0; hd < H; hd++) hadamard_blocks(att + (t * H + hd) * D, D, rot_v);
                 }
-                if (l + 1 < m->num_layers) {  // the next layer's keys and values, fetched while the GEMMs run
+                // The next layer's keys and values, fetched while this layer's GEMMs stream their
+                // weights (decode-sized steps; side_prefetch.h).
+                if (l + 1 < m->num_layers && T <= nanoinfer::kStreamRows) {
                     const StackLayer& next = m->layers[l + 1];
 #pragma omp single
                     nanoinfer::attention_plan(s->ctx, T, next.window, offset);

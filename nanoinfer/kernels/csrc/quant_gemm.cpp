@@ -75,7 +75,6 @@ enum : int { PATH_BEST = 0, PATH_PORTABLE = 1, PATH_AVX2 = 2, PATH_AVX512 = 3 };
 
 constexpr int64_t NCHUNK = 16;   // weight rows per unit of work (a thread's share is whole chunks)
 constexpr int MT = kTileRows;    // activation rows per tile: one weight block decoded serves them all
-constexpr int64_t kStreamRows = 8;  // up to this many rows (decode sizes) each weight row is read once
 
 #if !defined(QG_X86)
 bool have_avx2() { return false; }
@@ -232,7 +231,7 @@ Ctx linear_ctx(int qtype, const float* x, int64_t M, int64_t K, const uint8_t* w
     const int64_t nb = K / block_values(qtype);
     nanoinfer::SidePrefetch& side = nanoinfer::side_prefetch();
     return Ctx{M, K, N, nb, nb * block_bytes(qtype), w, x, nullptr, nullptr, nullptr, nullptr, nullptr, bias, y, ldy,
-               M <= kStreamRows, repacked ? N - N % interleave_of(qtype) : 0, side.pending() ? &side : nullptr};
+               M <= nanoinfer::kStreamRows, repacked ? N - N % interleave_of(qtype) : 0, side.pending() ? &side : nullptr};
 }
 
 // out[r] = row rows[r] of w dequantised, block by block with the record's dequantize (a

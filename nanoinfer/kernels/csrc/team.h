@@ -10,6 +10,9 @@ namespace nanoinfer {
 
 // ---- quant_gemm.cpp --------------------------------------------------------------------
 
+// Up to this many rows (decode sizes) quant_linear_team streams each weight row once,
+// prefetching ahead (and the thread's side_prefetch ranges with it).
+constexpr int64_t kStreamRows = 8;
 // Bytes of quantised activations for M rows of K values, as a weight of qtype needs them.
 int64_t quant_acts_bytes(int qtype, int64_t M, int64_t K);
 // y[m, n] (row stride ldy) = x[m] . W[n] (+ bias[n]) for W [N, K] in qtype's blocks (in its
