@@ -1,10 +1,10 @@
 // Decode attention over a paged KV cache, for the CPU: one query token per sequence,
 // keys and values read straight from their blocks (no gathered copy, no padding). A work
-// item is one kv head's query heads over one sequence, or over a run of a long one's blocks
-// (merged after).
+// item is the query heads of every kv head (or of one, where there are few) over one sequence,
+// or over a run of a long one's blocks (merged after).
 //
 // Built at first use by nanoinfer/cpu_kernels.py (c++ -O3 -march=native -fopenmp) and
-// called through ctypes; nanoinfer/attention.py's plain PyTorch path is the reference it
+// called through ctypes; attention/paged.py's plain PyTorch path is the reference it
 // is tested against, and what runs when no compiler is found.
 //
 // Layouts (all contiguous):
