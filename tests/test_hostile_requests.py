@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import gc
 import json
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -202,6 +204,28 @@ def test_a_compile_past_its_limits_is_answered_at_the_limit():
     release.set()
     time.sleep(0.1)
     assert runner.run(lambda: 2, lambda _: None, 5, 1.0, None) == 2
+
+
+def test_compiles_that_end_at_once_are_watched_safely():
+    """A compile's thread that ends before its caller starts watching it: the watcher once asked
+    for the ended thread's CPU clock through its freed handle and the process died of SIGSEGV
+    (a server under 21 concurrent schema requests). In a child process, so a crash fails the test
+    rather than the run."""
+    code = ("import time\n"
+            "from nanoinfer.structured import workers\n"
+            "start = workers._start\n"
+            "def start_and_wait_for_the_end(*args, **kwargs):  # the race, every time\n"
+            "    thread = start(*args, **kwargs)\n"
+            "    thread.join()\n"
+            "    time.sleep(0.01)  # past the Python-level end: the thread itself gone\n"
+            "    other = start(lambda: None, 'other', 0)  # a small stack: on its end glibc unmaps the big one\n"
+            "    other.join()\n"
+            "    return thread\n"
+            "workers._start = start_and_wait_for_the_end\n"
+            "runner = workers.CompileRunner(slots=2)\n"
+            "assert all(runner.run(lambda: i, lambda _: None, 5, 1.0, None) == i for i in range(20))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
 
 
 def test_mask_workers_abandon_what_overruns_and_keep_the_rest():

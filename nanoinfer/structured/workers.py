@@ -85,7 +85,7 @@ class CompileRunner:
             raise ConstraintError("the constraint compiler is busy (compiles past their limits are still running); "
                                   "try again later", param, code="constraint_timeout")
         future: Future = Future()
-        state = {"phase": "compile", "cpu0": 0.0, "given_up": False, "released": False}
+        state = {"phase": "compile", "cpu0": 0.0, "clock": None, "given_up": False, "released": False}
 
         def release() -> None:  # under self._lock
             if not state["released"]:
@@ -93,6 +93,7 @@ class CompileRunner:
                 self._slots.release()
 
         def work() -> None:
+            state["clock"] = _own_cpu_clock()
             try:
                 result = compile()
                 state["cpu0"], state["phase"] = time.thread_time(), "check"
@@ -112,7 +113,6 @@ class CompileRunner:
             with self._lock:
                 release()
             raise
-        clock = _cpu_clock(thread)
         while True:
             try:
                 return future.result(timeout=self.POLL)
@@ -121,8 +121,7 @@ class CompileRunner:
             if time.monotonic() > deadline:
                 error = ConstraintError(f"compiling the constraint took more than {seconds:g} s", param,
                                         code="constraint_timeout")
-            elif state["phase"] == "check" and clock is not None and \
-                    time.clock_gettime(clock) - state["cpu0"] > check_cpu_seconds:
+            elif state["phase"] == "check" and _cpu_seconds(state["clock"]) - state["cpu0"] > check_cpu_seconds:
                 error = ConstraintError(f"the constraint's first mask took more than {check_cpu_seconds * 1000:.0f} ms "
                                         f"of CPU time (the budget)", param, code="constraint_too_slow")
             else:
@@ -138,11 +137,26 @@ class CompileRunner:
             raise error
 
 
-def _cpu_clock(thread: threading.Thread) -> int | None:
+def _own_cpu_clock() -> int | None:
+    """The calling thread's CPU clock. Taken by the thread itself: asked for from another thread
+    (pthread_getcpuclockid on its ident), a thread that has already ended is a freed pthread
+    handle, and glibc reads it (a fast compile's thread can end before its caller asks: the
+    server died of SIGSEGV under 21 concurrent schema requests)."""
     try:
-        return time.pthread_getcpuclockid(thread.ident)
+        return time.pthread_getcpuclockid(threading.get_ident())
     except (AttributeError, OSError, TypeError):
         return None
+
+
+def _cpu_seconds(clock: int | None) -> float:
+    """A thread's CPU time by its clock; 0 where there is none or its thread has ended (the
+    kernel then refuses the clock: the caller's next look finds the result)."""
+    if clock is None:
+        return 0.0
+    try:
+        return time.clock_gettime(clock)
+    except OSError:
+        return 0.0
 
 
 class _Job:
