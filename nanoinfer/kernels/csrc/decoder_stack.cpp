@@ -199,6 +199,7 @@ extern "C" int decoder_stack(const StackModel* m, const StackStep* s) {
     const bool q8 = kv_format == nanoinfer::KV_Q8_0;
     const int64_t rot_k = q8 ? k_rotation(D) : 0, rot_v = q8 ? v_rotation(D) : 0;
     int rc = 0;
+    int64_t planned = -1;  // the layer whose attention plan `offset` holds (planned ahead for the side prefetch)
 
 #pragma omp parallel
     {
@@ -257,7 +258,7 @@ extern "C" int decoder_stack(const StackModel* m, const StackStep* s) {
                     store_row(L.v_cache, kv_format, s->slots[L.kv_group][t], row + (H + Hkv) * D, Hkv, D, rot_v);
                 }
 #pragma omp single
-                nanoinfer::attention_plan(s->ctx, T, L.window, offset);
+                if (planned != l) nanoinfer::attention_plan(s->ctx, T, L.window, offset);
                 nanoinfer::attention_team_f32(q, s->rows, L.k_cache, L.v_cache, int(kv_format), s->tables[L.kv_group], s->width, s->ctx, att,
                                               T, H, Hkv, D, m->block_size, L.window, s->max_ctx, L.scale, L.softcap,
                                               offset, units, sc);
@@ -271,7 +272,10 @@ extern "C" int decoder_stack(const StackModel* m, const StackStep* s) {
                 if (l + 1 < m->num_layers && T <= nanoinfer::kStreamRows) {
                     const StackLayer& next = m->layers[l + 1];
 #pragma omp single
-                    nanoinfer::attention_plan(s->ctx, T, next.window, offset);
+                    {
+                        nanoinfer::attention_plan(s->ctx, T, next.window, offset);
+                        planned = l + 1;
+                    }
                     nanoinfer::attention_side_prefetch(next.k_cache, next.v_cache, int(kv_format),
                                                        s->tables[next.kv_group], s->width, s->ctx, T, Hkv, D,
                                                        m->block_size, next.window, offset);

@@ -64,11 +64,6 @@ inline void for_each_row(const T* cache, const int64_t* table, int64_t t0, int64
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// Values i .. i + 7 of a head's row (i a multiple of 8).
-inline __m256 load8(const float* r, int64_t i) { return _mm256_loadu_ps(r + i); }
-inline __m256 load8(const BF16* r, int64_t i) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + i))), 16));
-}
 // Values i .. i + 15 of a head's row (i a multiple of 16) as two vectors, in `lanes16` order: a
 // float row as it is (a: 0-7, b: 8-15); a bf16 row through unpacking with zeros, one shuffle a
 // vector and no shift (a: 0-3 and 8-11, b: 4-7 and 12-15). Each lane's sums are the same either
@@ -120,16 +115,9 @@ inline float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 
-// q . one row, as 8 lanes (summed by the caller).
-template <int D, typename T>
-inline __m256 row_dot(const __m256* q, const T* r) {
-    __m256 x = _mm256_mul_ps(q[0], load8(r, 0));
-    for (int c = 1; c < D / 8; c++) x = _mm256_fmadd_ps(q[c], load8(r, 8 * c), x);
-    return x;
-}
-
-// q8_0 rows: per block, the 32 products summed (4 lanes of fused multiply-adds), then times the
-// block's scale into the row's sum; the same order for every row and path.
+// q . one q8_0 row, as 8 lanes (summed by the caller): per block, the 32 products summed (4
+// lanes of fused multiply-adds), then times the block's scale into the row's sum; the same order
+// for every row and path.
 template <int D>
 inline __m256 row_dot(const __m256* q, const Q8* r) {
     __m256 x = _mm256_setzero_ps();
@@ -142,9 +130,10 @@ inline __m256 row_dot(const __m256* q, const Q8* r) {
     return x;
 }
 
-// out[i] = q . row i, for n rows `stride` values apart: eight rows at a time, reduced together.
-template <int D, typename T>
-inline void dots(const float* qh, const T* rows, int64_t stride, int64_t n, float* out) {
+// out[i] = q . q8_0 row i, for n rows `stride` values apart: eight rows at a time, reduced
+// together (bf16 and fp32 rows: dots_heads).
+template <int D>
+inline void dots(const float* qh, const Q8* rows, int64_t stride, int64_t n, float* out) {
     __m256 q[D / 8];
     for (int c = 0; c < D / 8; c++) q[c] = _mm256_loadu_ps(qh + 8 * c);
     int64_t i = 0;
@@ -257,20 +246,8 @@ inline void dots_all(const float* qf, const T* rows, int64_t stride, int64_t ste
     }
 }
 
-// acc[0..63] += sum_i p[i] * (values d0 .. d0 + 63 of row i), in registers.
-template <typename T>
-inline void weighted64(const float* p, const T* rows, int64_t d0, int64_t stride, int64_t n, float* acc) {
-    __m256 a[8];
-    for (int c = 0; c < 8; c++) a[c] = _mm256_loadu_ps(acc + 8 * c);
-    for (int64_t i = 0; i < n; i++) {
-        const __m256 w = _mm256_set1_ps(p[i]);
-        const T* r = rows + i * stride;
-        for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(w, load8(r, d0 + 8 * c), a[c]);
-    }
-    for (int c = 0; c < 8; c++) _mm256_storeu_ps(acc + 8 * c, a[c]);
-}
-
-// q8_0 rows: each block's values times p[i] * d, the weight and scale in one factor.
+// acc[0..63] += sum_i p[i] * (values d0 .. d0 + 63 of q8_0 row i), in registers: each block's
+// values times p[i] * d, the weight and scale in one factor (bf16 and fp32 rows: weighted_heads).
 inline void weighted64(const float* p, const Q8* rows, int64_t d0, int64_t stride, int64_t n, float* acc) {
     __m256 a[8];
     for (int c = 0; c < 8; c++) a[c] = _mm256_loadu_ps(acc + 8 * c);
