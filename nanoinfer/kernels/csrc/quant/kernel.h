@@ -20,6 +20,16 @@ constexpr int64_t QK = 256;      // values per K-quant block
 // prefetcher alone left batch-1 decode at 11-15 GB/s of a memory that streams 19; 8 KiB
 // ahead measured best on Zen 3 (2 KiB: +12%, 8 KiB: +25% tok/s, 32 KiB: worse again).
 constexpr int64_t kPrefetch = 8192;
+// The same where a thread streams one repacked group at a time (the AVX2 tiles; the AVX-512
+// tiles stream two at once, kPrefetch each). The kernels are built for the CPU they run on and
+// cpu_kernels.py sets QG_PREFETCH_ONE_GROUP by vendor: on Intel (a 2-vCPU Xeon, batch-1 decode)
+// 8 -> 24 KiB took Qwen2.5-Coder 1.5B Q4_K_M's step from 66 to 52 ms and Gemma 3 270M's and
+// Qwen2.5-Coder 0.5B's 10-16% down; AMD keeps Zen 3's 8 KiB. (Read from the Ctx at run time
+// instead, the distance cost the AVX-512 8-row tiles up to 15% at batch 8: registers.)
+#ifndef QG_PREFETCH_ONE_GROUP
+#define QG_PREFETCH_ONE_GROUP 8192
+#endif
+constexpr int64_t kPrefetchOneGroup = QG_PREFETCH_ONE_GROUP;
 
 // The value as it is, hidden from the optimiser: a sum whose operands pass through here
 // cannot be regrouped with other sums (-ffast-math allows regrouping otherwise).

@@ -72,9 +72,10 @@ struct GroupRows {
     }
 };
 
-// The next `bytes` of a streamed weight, kPrefetch ahead, and a line of the thread's side ranges.
+// The next `bytes` of a streamed weight, `ahead` bytes ahead, and a line of the thread's side ranges.
+template <int64_t ahead>
 QG_AVX2 inline void prefetch_ahead(const Ctx& c, const uint8_t* p, int bytes) {
-    for (int o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch + o), _MM_HINT_T0);
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + ahead + o), _MM_HINT_T0);
     if (c.side) c.side->step(1);
 }
 
@@ -124,7 +125,7 @@ QG_AVX2 void group32_avx2(const Ctx& c, int64_t n, int64_t m0) {
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t b = 0; b < c.nb; b++) {
         const uint8_t* gb = g + b * L::group_bytes;
-        if constexpr (PF) prefetch_ahead(c, gb, L::group_bytes);
+        if constexpr (PF) prefetch_ahead<kPrefetchOneGroup>(c, gb, L::group_bytes);
         __m256i p[R];
         if constexpr (T == Q8_0) {
             for (int i = 0; i < R; i++) p[i] = _mm256_setzero_si256();
@@ -315,7 +316,7 @@ QG_AVX2 void groupk_avx2(const Ctx& c, int64_t n, int64_t m0) {
     for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < c.nb; b++) {
         const uint8_t* gb = g + b * L::group_bytes;
-        if constexpr (PF) prefetch_ahead(c, gb, L::group_bytes);
+        if constexpr (PF) prefetch_ahead<kPrefetchOneGroup>(c, gb, L::group_bytes);
         __m256i isum[R];
         for (int i = 0; i < R; i++) isum[i] = _mm256_setzero_si256();
         __m256 dv;

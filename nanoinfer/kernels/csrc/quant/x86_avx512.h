@@ -135,7 +135,7 @@ template <int G, bool PF>
 QG_AVX512 inline void group_blocks(const Ctx& c, int64_t n, int64_t b, int group_bytes, const uint8_t** gb) {
     for (int k = 0; k < G; k++) {
         gb[k] = c.w + (n + kGroup * k) * c.rb + b * group_bytes;
-        if constexpr (PF) prefetch_ahead(c, gb[k], group_bytes);
+        if constexpr (PF) prefetch_ahead<G == 1 ? kPrefetchOneGroup : kPrefetch>(c, gb[k], group_bytes);
     }
 }
 
