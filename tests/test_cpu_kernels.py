@@ -204,3 +204,22 @@ def test_loading_the_kernels_keeps_subnormals():
             "assert (torch.tensor([1e-40]) * 1.0).item() > 0")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+CPUINFO = ("processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: 17\nflags\t\t: fpu avx2\n\n"
+           "processor\t: 1\nvendor_id\t: OtherVendor\n")
+
+
+@pytest.mark.parametrize("vendor, family, want", [
+    ("GenuineIntel", "6", ["-DQG_PREFETCH_ONE_GROUP=24576"]),
+    ("AuthenticAMD", "25", ["-DQG_WIDE_STREAM_TILES=0"]),  # Zen 3 / Zen 4
+    ("AuthenticAMD", "26", []),  # Zen 5: a full-width 512-bit datapath, not measured: the defaults
+    ("HygonGenuine", "24", []),
+])
+def test_vendor_tuning_follows_the_first_processor(vendor, family, want):
+    assert cpu_kernels._vendor_flags(CPUINFO.format(vendor=vendor, family=family)) == want
+
+
+def test_no_vendor_tuning_without_a_vendor_line():
+    """An Arm /proc/cpuinfo has no vendor_id: the kernels' defaults."""
+    assert cpu_kernels._vendor_flags("processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\n") == []

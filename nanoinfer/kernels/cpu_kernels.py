@@ -62,15 +62,31 @@ def _flags() -> list[str]:
     return FLAGS + ([] if "-DQG_EMULATE_AVX512" in extra else NO_AUTO_VNNI) + _vendor_flags() + extra
 
 
-def _vendor_flags() -> list[str]:
-    """How far ahead the block kernels prefetch a weight they stream one group at a time, as
-    measured on each vendor's CPUs (csrc/quant/kernel.h, kPrefetchOneGroup): 24 KiB on Intel,
-    the kernel's default of 8 KiB elsewhere."""
-    try:
-        intel = "GenuineIntel" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        intel = False
-    return ["-DQG_PREFETCH_ONE_GROUP=24576"] if intel else []
+def _vendor_flags(cpuinfo: str | None = None) -> list[str]:
+    """The block kernels' tuning for this CPU's vendor and family (/proc/cpuinfo's text), as
+    measured on them (csrc/quant/kernel.h): on Intel a weight streamed one group at a time is
+    prefetched 24 KiB ahead instead of 8 (kPrefetchOneGroup); on AMD family 25 (Zen 3 and 4;
+    Zen 4's AVX-512 runs as two 256-bit halves) decode-sized calls take the AVX-512 path's
+    256-bit tiles (kWideStreamTiles)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return []
+    fields = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            break  # the first processor's block is enough
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    vendor, family = fields.get("vendor_id"), fields.get("cpu family")
+    if vendor == "GenuineIntel":
+        return ["-DQG_PREFETCH_ONE_GROUP=24576"]
+    if vendor == "AuthenticAMD" and family == "25":
+        return ["-DQG_WIDE_STREAM_TILES=0"]
+    return []
+
+
 # (query dtype, cache dtype) -> entry point; fp32 queries over a bf16 cache: the block-format path
 DECODE_ENTRY_POINTS = {(torch.float32, torch.float32): "paged_decode_f32", (torch.bfloat16, torch.bfloat16): "paged_decode_bf16",
                        (torch.float32, torch.bfloat16): "paged_decode_f32_bf16kv",
