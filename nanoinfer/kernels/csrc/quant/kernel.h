@@ -35,7 +35,7 @@ constexpr int64_t kPrefetchOneGroup = QG_PREFETCH_ONE_GROUP;
 // QG_WIDE_STREAM_TILES=0 on AMD family 25 (Zen 4 runs a 512-bit operation as two 256-bit
 // halves): on a 2-vCPU Zen 4 the narrow tiles took batch-1 decode of Qwen2.5-Coder 1.5B Q4_K_M
 // from 59-69 to 43-47 ms a step, SmolLM2-135M and Gemma 3 270M's 10-25% down; 4 and 8 rows
-// alike or better. The same integers and float operations per lane either way: the same bits.
+// within that host's spread. The same integers and float operations per lane: the same bits.
 #ifndef QG_WIDE_STREAM_TILES
 #define QG_WIDE_STREAM_TILES 1
 #endif
