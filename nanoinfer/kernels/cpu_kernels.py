@@ -66,8 +66,8 @@ def _vendor_flags(cpuinfo: str | None = None) -> list[str]:
     """The block kernels' tuning for this CPU's vendor and family (/proc/cpuinfo's text), as
     measured on them (csrc/quant/kernel.h): on Intel a weight streamed one group at a time is
     prefetched 24 KiB ahead instead of 8 (kPrefetchOneGroup); on AMD family 25 (Zen 3 and 4;
-    Zen 4's AVX-512 runs as two 256-bit halves) decode-sized calls take the AVX-512 path's
-    256-bit tiles (kWideStreamTiles)."""
+    Zen 4's AVX-512 runs as two 256-bit halves) calls of up to 4 rows take the AVX-512 path's
+    256-bit tiles (kNarrowTileRows)."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
@@ -83,7 +83,7 @@ def _vendor_flags(cpuinfo: str | None = None) -> list[str]:
     if vendor == "GenuineIntel":
         return ["-DQG_PREFETCH_ONE_GROUP=24576"]
     if vendor == "AuthenticAMD" and family == "25":
-        return ["-DQG_WIDE_STREAM_TILES=0"]
+        return ["-DQG_NARROW_TILE_ROWS=4"]
     return []
 
 

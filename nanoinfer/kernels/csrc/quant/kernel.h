@@ -30,16 +30,17 @@ constexpr int64_t kPrefetch = 8192;
 #define QG_PREFETCH_ONE_GROUP 8192
 #endif
 constexpr int64_t kPrefetchOneGroup = QG_PREFETCH_ONE_GROUP;
-// Whether decode-sized calls (Ctx::stream) take the AVX-512 path's 16-row tiles on 512-bit
-// vectors, as larger ones do, or its 8-row tiles on 256-bit ones. cpu_kernels.py sets
-// QG_WIDE_STREAM_TILES=0 on AMD family 25 (Zen 4 runs a 512-bit operation as two 256-bit
+// Calls of at most this many activation rows take the AVX-512 path's 8-row tiles on 256-bit
+// vectors; larger ones its 16-row tiles on 512-bit vectors. cpu_kernels.py sets
+// QG_NARROW_TILE_ROWS=4 on AMD family 25 (Zen 4 runs a 512-bit operation as two 256-bit
 // halves): on a 2-vCPU Zen 4 the narrow tiles took batch-1 decode of Qwen2.5-Coder 1.5B Q4_K_M
-// from 59-69 to 43-47 ms a step, SmolLM2-135M and Gemma 3 270M's 10-25% down; 4 and 8 rows
-// within that host's spread. The same integers and float operations per lane: the same bits.
-#ifndef QG_WIDE_STREAM_TILES
-#define QG_WIDE_STREAM_TILES 1
+// from 59-69 to 43-47 ms a step, SmolLM2-135M and Gemma 3 270M's 10-25% down; a Q4_K linear of
+// 2 rows ran 30% faster and of 4 rows alike, while 8 rows ran 15-25% slower on them. The same
+// integers and float operations per lane either way: the same bits.
+#ifndef QG_NARROW_TILE_ROWS
+#define QG_NARROW_TILE_ROWS 0
 #endif
-constexpr bool kWideStreamTiles = QG_WIDE_STREAM_TILES;
+constexpr int64_t kNarrowTileRows = QG_NARROW_TILE_ROWS;
 
 // The value as it is, hidden from the optimiser: a sum whose operands pass through here
 // cannot be regrouped with other sums (-ffast-math allows regrouping otherwise).

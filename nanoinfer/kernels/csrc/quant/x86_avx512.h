@@ -337,10 +337,10 @@ QG_AVX512 void groups_avx512(const Ctx& c, int64_t n, int64_t m0, int mt) {
 }
 
 // rows_avx2's work split, with the groups above: 16 rows (two groups) on 512-bit vectors where
-// the driver hands them out together (decode-sized calls only where kWideStreamTiles).
+// the driver hands them out together, in calls of more than kNarrowTileRows rows.
 template <int T>
 QG_AVX512 void rows_avx512(const Ctx& c, int64_t n, int cols, int64_t m0, int mt) {
-    if (cols == 2 * kGroup && n + 2 * kGroup <= c.grouped && (kWideStreamTiles || !c.stream))
+    if (cols == 2 * kGroup && n + 2 * kGroup <= c.grouped && c.M > kNarrowTileRows)
         return c.stream ? groups_avx512<T, true, 2>(c, n, m0, mt) : groups_avx512<T, false, 2>(c, n, m0, mt);
     for (int64_t g = n; g < n + cols; g += kGroup) {
         if (g >= c.grouped) return rows_portable_grouped<T>(c, g, int(n + cols - g), m0, mt);
