@@ -220,6 +220,12 @@ def test_vendor_tuning_follows_the_first_processor(vendor, family, want):
     assert cpu_kernels._vendor_flags(CPUINFO.format(vendor=vendor, family=family)) == want
 
 
+def test_first_processor_reads_one_block():
+    cpu = cpu_kernels.first_processor(CPUINFO.format(vendor="AuthenticAMD", family="25"))
+    assert cpu["vendor_id"] == "AuthenticAMD" and cpu["cpu family"] == "25" and cpu["flags"] == "fpu avx2"
+    assert cpu_kernels.first_processor("") == {}
+
+
 def test_no_vendor_tuning_without_a_vendor_line():
     """An Arm /proc/cpuinfo has no vendor_id: the kernels' defaults."""
     assert cpu_kernels._vendor_flags("processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\n") == []

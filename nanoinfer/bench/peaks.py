@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ..kernels.cpu_kernels import first_processor
 from ..user_cache import user_cache_dir
 
 # (pattern on the device name, label, bf16/fp16 dense FLOP/s, fp32 FLOP/s, bandwidth B/s).
@@ -50,13 +51,7 @@ class Peaks:
 
 
 def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return first_processor().get("model name") or platform.processor() or platform.machine()
 
 
 def device_name(device: torch.device) -> str:

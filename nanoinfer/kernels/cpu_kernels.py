@@ -62,24 +62,31 @@ def _flags() -> list[str]:
     return FLAGS + ([] if "-DQG_EMULATE_AVX512" in extra else NO_AUTO_VNNI) + _vendor_flags() + extra
 
 
-def _vendor_flags(cpuinfo: str | None = None) -> list[str]:
-    """The block kernels' tuning for this CPU's vendor and family (/proc/cpuinfo's text), as
-    measured on them (csrc/quant/kernel.h): on Intel a weight streamed one group at a time is
-    prefetched 24 KiB ahead instead of 8 (kPrefetchOneGroup); on AMD family 25 (Zen 3 and 4;
-    Zen 4's AVX-512 runs as two 256-bit halves) calls of up to 4 rows take the AVX-512 path's
-    256-bit tiles (kNarrowTileRows)."""
+def first_processor(cpuinfo: str | None = None) -> dict[str, str]:
+    """The fields of the first processor's block of /proc/cpuinfo (or of the text given): every
+    processor of a machine shares its vendor, family and name. Empty where there is none."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
-            return []
+            return {}
     fields = {}
     for line in cpuinfo.splitlines():
         if not line.strip():
-            break  # the first processor's block is enough
+            break
         key, _, value = line.partition(":")
         fields[key.strip()] = value.strip()
-    vendor, family = fields.get("vendor_id"), fields.get("cpu family")
+    return fields
+
+
+def _vendor_flags(cpuinfo: str | None = None) -> list[str]:
+    """The block kernels' tuning for this CPU's vendor and family, as measured on them
+    (csrc/quant/kernel.h): on Intel a weight streamed one group at a time is prefetched 24 KiB
+    ahead instead of 8 (kPrefetchOneGroup); on AMD family 25 (Zen 3 and 4; Zen 4's AVX-512 runs
+    as two 256-bit halves) calls of up to 4 rows take the AVX-512 path's 256-bit tiles
+    (kNarrowTileRows)."""
+    cpu = first_processor(cpuinfo)
+    vendor, family = cpu.get("vendor_id"), cpu.get("cpu family")
     if vendor == "GenuineIntel":
         return ["-DQG_PREFETCH_ONE_GROUP=24576"]
     if vendor == "AuthenticAMD" and family == "25":
