@@ -30,6 +30,16 @@ constexpr int64_t kPrefetch = 8192;
 #define QG_PREFETCH_ONE_GROUP 8192
 #endif
 constexpr int64_t kPrefetchOneGroup = QG_PREFETCH_ONE_GROUP;
+// Where the streamed weights are prefetched to: __builtin_prefetch's locality, 3 into L1 (x86's
+// prefetcht0), 2 into L2 (prefetcht1). cpu_kernels.py sets QG_PREFETCH_LOCALITY=2 on AMD family
+// 25. On a 2-vCPU Zen 4 a prefetch into L1 holds one of the core's few L1 miss buffers until
+// its line arrives, and the stream stalled on them: into L2, linears of 1.5B-sized weights
+// cycled past the L3 ran at 1 row 1.86x (Q6_K: 16 -> 28 GB/s) and 1.27x (Q4_K) faster on the
+// AVX-512 path, 1.58x and 1.34x on the AVX2 path; at 4 rows 1.73x and 1.39x, 1.32x and 1.07x.
+#ifndef QG_PREFETCH_LOCALITY
+#define QG_PREFETCH_LOCALITY 3
+#endif
+constexpr int kPrefetchLocality = QG_PREFETCH_LOCALITY;
 // Calls of at most this many activation rows take the AVX-512 path's 8-row tiles on 256-bit
 // vectors; larger ones its 16-row tiles on 512-bit vectors. cpu_kernels.py sets
 // QG_NARROW_TILE_ROWS=4 on AMD family 25 (Zen 4 runs a 512-bit operation as two 256-bit

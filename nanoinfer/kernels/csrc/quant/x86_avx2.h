@@ -75,7 +75,7 @@ struct GroupRows {
 // The next `bytes` of a streamed weight, `ahead` bytes ahead, and a line of the thread's side ranges.
 template <int64_t ahead>
 QG_AVX2 inline void prefetch_ahead(const Ctx& c, const uint8_t* p, int bytes) {
-    for (int o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + ahead + o), _MM_HINT_T0);
+    for (int o = 0; o < bytes; o += 64) __builtin_prefetch(p + ahead + o, 0, kPrefetchLocality);
     if (c.side) c.side->step(1);
 }
 
@@ -405,7 +405,7 @@ QG_AVX2 void tile16_avx2(const Ctx& c, int64_t n, int64_t m0) {
     }
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
-        if (PF && k % (64 / size) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + size * k) + kPrefetch, _MM_HINT_T0);
+        if (PF && k % (64 / size) == 0) __builtin_prefetch(w + size * k + kPrefetch, 0, kPrefetchLocality);
         const __m256 w0 = load8_float<T>(w, k), w1 = load8_float<T>(w, k + 8);
         for (int i = 0; i < R; i++) {
             a0[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x[i] + k), w0, a0[i]);
