@@ -152,6 +152,7 @@ QG_AVX512 inline void group_blocks(const Ctx& c, int64_t n, int64_t b, int group
         if constexpr (PF) prefetch_ahead<G == 1 ? kPrefetchOneGroup : kPrefetch>(c, gb[k], group_bytes);
     }
 }
+
 // Rows m0 .. m0 + R - 1 of the tile's outputs n .. n + 8G - 1, plus the bias.
 template <int G, int R>
 QG_AVX512 inline void store_groups(const Ctx& c, int64_t n, int64_t m0, const VecF<G>* acc) {
