@@ -234,6 +234,21 @@ QG_AVX512 void group32_avx512(const Ctx& c, int64_t n, int64_t m0) {
     store_groups<G, R>(c, n, m0, acc);
 }
 
+// isum[i] += p0[i] * scale j + p1[i] * scale j + 1, each group's (KScales' or Q6Scales'
+// scale32), summed as it goes: the optimiser's tree of the products spilled registers.
+template <int G, int R, class Scales>
+QG_AVX512 inline void add_scaled_pair(VecI<G>* isum, const VecI<G>* p0, const VecI<G>* p1, const Scales* sc, int j) {
+    __m256i part[G];
+    for (int k = 0; k < G; k++) part[k] = sc[k].scale32(j);
+    const VecI<G> s0 = join<G>(part);
+    for (int k = 0; k < G; k++) part[k] = sc[k].scale32(j + 1);
+    const VecI<G> s1 = join<G>(part);
+    for (int i = 0; i < R; i++) {
+        isum[i] = v_add(isum[i], v_add(v_mullo(p0[i], s0), v_mullo(p1[i], s1)));
+        asm("" : "+v"(isum[i]));
+    }
+}
+
 // K-quants in the repacked layout with vpdpbusd: groupk_avx2's outputs for G groups (rows n ..
 // n + 8G - 1). Each lane sums a sub-block's 32 (Q6_K: a group's 16) products u8 x s8 straight
 // into int32, with no int16 partial sums, and vpmulld by the row's scale makes the integer that
@@ -277,14 +292,7 @@ QG_AVX512 void groupk_avx512(const Ctx& c, int64_t n, int64_t m0) {
                             p1[i] = v_dot4(p1[i], w1, xv + 16);
                         }
                     }
-                    for (int k = 0; k < G; k++) part[k] = sc[k].scale32(g);
-                    const I s0 = join<G>(part);
-                    for (int k = 0; k < G; k++) part[k] = sc[k].scale32(g + 1);
-                    const I s1 = join<G>(part);
-                    for (int i = 0; i < R; i++) {
-                        isum[i] = v_add(isum[i], v_add(v_mullo(p0[i], s0), v_mullo(p1[i], s1)));
-                        asm("" : "+v"(isum[i]));
-                    }
+                    add_scaled_pair<G, R>(isum, p0, p1, sc, g);
                 }
             __m256i off[G][R];
             for (int k = 0; k < G; k++) q6_offset_sums(sc[k], x, b, off[k]);
@@ -319,14 +327,7 @@ QG_AVX512 void groupk_avx512(const Ctx& c, int64_t n, int64_t m0) {
                         p1[i] = v_dot4(p1[i], w1, xv + 32);
                     }
                 }
-                for (int k = 0; k < G; k++) part[k] = ks[k].scale32(j);
-                const I s0 = join<G>(part);
-                for (int k = 0; k < G; k++) part[k] = ks[k].scale32(j + 1);
-                const I s1 = join<G>(part);
-                for (int i = 0; i < R; i++) {
-                    isum[i] = v_add(isum[i], v_add(v_mullo(p0[i], s0), v_mullo(p1[i], s1)));
-                    asm("" : "+v"(isum[i]));  // summed as it goes: the optimiser's tree of the products spills registers
-                }
+                add_scaled_pair<G, R>(isum, p0, p1, ks, j);
             }
             const F dv = halves_of<G>(gb, 0);
             for (int i = 0; i < R; i++) acc[i] = v_fma(acc[i], dv, x.xd[i] + b, isum[i]);
