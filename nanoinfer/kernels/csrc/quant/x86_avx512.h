@@ -365,11 +365,18 @@ QG_AVX512 void groups_avx512(const Ctx& c, int64_t n, int64_t m0, int mt) {
     }
 }
 
+// Where a CPU takes narrow tiles (kNarrowTileRows), a streamed Q6_K weight takes them at every
+// size: on a 2-vCPU Zen 4 its 16-row tiles streamed 100 MB of weights 1.7-1.9x slower at 5-8
+// rows than the narrow tiles did, group by group (with the weights in L2 the two ran alike),
+// while Q4_K's ran 1.3x faster than its narrow ones and Q5_K's within 4%.
+template <int T>
+constexpr bool kWideWhenStreamed = !(T == Q6_K && kNarrowTileRows > 0);
+
 // rows_avx2's work split, with the groups above: 16 rows (two groups) on 512-bit vectors where
 // the driver hands them out together, in calls of more than kNarrowTileRows rows.
 template <int T>
 QG_AVX512 void rows_avx512(const Ctx& c, int64_t n, int cols, int64_t m0, int mt) {
-    if (cols == 2 * kGroup && n + 2 * kGroup <= c.grouped && c.M > kNarrowTileRows)
+    if (cols == 2 * kGroup && n + 2 * kGroup <= c.grouped && c.M > kNarrowTileRows && (kWideWhenStreamed<T> || !c.stream))
         return c.stream ? groups_avx512<T, true, 2>(c, n, m0, mt) : groups_avx512<T, false, 2>(c, n, m0, mt);
     for (int64_t g = n; g < n + cols; g += kGroup) {
         if (g >= c.grouped) return rows_portable_grouped<T>(c, g, int(n + cols - g), m0, mt);
