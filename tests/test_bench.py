@@ -300,10 +300,46 @@ def test_bench_loop(make_hf_model, tmp_path, capsys):
     assert_png(png)
 
 
+
+def test_bench_linears(make_hf_model, tiny_tokenizer_dir, tmp_path, capsys):
+    """Every block weight of the file, by type, once per row count and run; the table's
+    figures are the JSON's."""
+    from nanoinfer.kernels import quant
+    from nanoinfer.loaders import load_files
+    from nanoinfer.tensors import QuantizedTensor
+
+    from gguf_export import write_gguf_from_hf
+
+    if not quant.paths():
+        pytest.skip("no compiled kernels")
+    model, _ = make_hf_model("llama")
+    path = write_gguf_from_hf(model, tiny_tokenizer_dir, tmp_path / "q8.gguf", tensor_type="Q8_0")
+    state = load_files(path, dtype=None).state
+    tied = "lm_head.weight" not in state
+    want = [t for name, t in state.items() if isinstance(t, QuantizedTensor)
+            and (tied or not name.endswith("embed_tokens.weight"))]
+    doc, out = run_bench(capsys, ["linears", "--model", str(path), "--rows", "1,3", "--runs", "2", "--path", "portable",
+                                  "--threads", "1"])
+    assert doc["bench"] == "linears" and doc["path"] == "portable" and doc["threads"] == 1 and "cpu" in doc["machine"]
+    assert [(r["type"], r["rows"]) for r in doc["results"]] == [("Q8_0", 1), ("Q8_0", 3)]
+    for r in doc["results"]:
+        assert r["weights"] == len(want) and r["bytes"] == sum(t.data.numel() for t in want)
+        assert len(r["seconds_all"]) == 2 and r["seconds"] > 0
+    assert doc["results"][0]["vs_first"] == 1.0
+    assert f"{doc['results'][1]['vs_first']:.2f}x" in out
+
+
+def test_bench_linears_needs_block_weights(make_hf_model, capsys):
+    _, path = make_hf_model("llama")  # a Hugging Face folder: float32 weights, no blocks
+    assert main(["linears", "--model", str(path), "--runs", "1"]) == 1
+    assert "no weight runs in a block kernel" in capsys.readouterr().err
+
 @pytest.mark.parametrize("argv,message", [
     (["latency", "--batch-sizes", "1,x"], "--batch-sizes"),
     (["latency", "--batch-sizes", "0"], ">= 1"),
     (["latency", "--decode-len", "1"], "--decode-len"),
+    (["linears", "--rows", "1,0"], "--rows"),
+    (["linears", "--runs", "0"], "--runs"),
     (["throughput", "--min-input-len", "9", "--max-input-len", "3"], "min <= max"),
     (["loop", "--plot", "out.jpg"], ".png"),
 ])

@@ -53,6 +53,11 @@ def _sampler(a: argparse.Namespace) -> int:
     return run(a)
 
 
+def _linears(a: argparse.Namespace) -> int:
+    from .linears import run
+    return run(a)
+
+
 def _add_commands(sub) -> None:
     lat = sub.add_parser("latency", help="TTFT, TPOT, tok/s, MBU and MFU per batch size, against the roofline",
                          description="Prefill B prompts in one step, then decode; per batch size.")
@@ -174,6 +179,17 @@ def _add_commands(sub) -> None:
     smp.add_argument("--no-kernels", action="store_true",
                      help="the batched sampler's PyTorch path alone, without the compiled sampling")
     smp.set_defaults(func=_sampler)
+    lin = sub.add_parser("linears", help="the block GEMM alone on a GGUF's own weights, per type and row count",
+                         description="Each block type's weights, repacked as the model runs them, every weight once "
+                                     "per row count (from memory, as a decode step meets them); median of runs.")
+    lin.add_argument("--model", default=None, help="a GGUF file (default: the default model)")
+    lin.add_argument("--rows", default="1,4,8", help="activation rows per call, comma-separated (default 1,4,8)")
+    lin.add_argument("--runs", type=int, default=5, help="alternating runs; the median is shown (default 5)")
+    lin.add_argument("--path", default="auto", choices=["auto", "portable", "avx2", "avx512"],
+                     help="the kernels' dispatch path (default auto: the fastest this CPU runs)")
+    lin.add_argument("--threads", type=int, default=None, help="kernel threads (default: the physical cores)")
+    lin.add_argument("--seed", type=int, default=0, help="seed of the activations (default 0)")
+    lin.set_defaults(func=_linears)
 
 
 DESCRIPTION = ("Benchmarks. Tables on stdout, progress on stderr; the last stdout line is one JSON document "
@@ -181,8 +197,8 @@ DESCRIPTION = ("Benchmarks. Tables on stdout, progress on stderr; the last stdou
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
-    """Add `bench {latency,throughput,loop,serve,soak,sampler}` to a CLI's subparsers."""
-    bench = subparsers.add_parser("bench", help="benchmarks: latency, throughput, loop, serve, soak, sampler",
+    """Add `bench {latency,throughput,loop,serve,soak,sampler,linears}` to a CLI's subparsers."""
+    bench = subparsers.add_parser("bench", help="benchmarks: latency, throughput, loop, serve, soak, sampler, linears",
                                   description=DESCRIPTION)
     _add_commands(bench.add_subparsers(dest="bench_command", required=True))
     return bench

@@ -140,6 +140,17 @@ def progress_done() -> None:
         sys.stderr.flush()
 
 
+def parse_counts(text: str, flag: str, example: str) -> list[int]:
+    """A flag's comma-separated positive integers (batch sizes, row counts)."""
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise NanoinferError(f"{flag} {text!r}: give integers separated by commas, e.g. {example}") from None
+    if not counts or any(n < 1 for n in counts):
+        raise NanoinferError(f"{flag} {text!r}: every value must be >= 1")
+    return counts
+
+
 def median(xs: list[float]) -> float:
     s = sorted(xs)
     n = len(s)

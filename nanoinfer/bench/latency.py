@@ -34,6 +34,7 @@ from .common import (
     kv_pool_bytes,
     median,
     on_gpu,
+    parse_counts,
     peak_memory_bytes,
     plot_path,
     print_table,
@@ -49,16 +50,6 @@ from .llama_cpp import ENGINE, check_python, resolve_python, run_llama_cpp
 from .peaks import cpu_model
 
 BLOCK_SIZE = 16
-
-
-def parse_batch_sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise NanoinferError(f"--batch-sizes {text!r}: give integers separated by commas, e.g. 1,8,32") from None
-    if not sizes or any(b < 1 for b in sizes):
-        raise NanoinferError(f"--batch-sizes {text!r}: every batch size must be >= 1")
-    return sizes
 
 
 def print_card(env: BenchEnv, card: dict) -> None:
@@ -279,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
     gpu = on_gpu(args)
     compare = getattr(args, "compare", None)
     default_sizes = "1" if compare else "1,8,32,128" if gpu else "1,8,32"
-    batch_sizes = parse_batch_sizes(args.batch_sizes or default_sizes)
+    batch_sizes = parse_counts(args.batch_sizes or default_sizes, "--batch-sizes", "1,8,32")
     decode_len = args.decode_len or (256 if gpu else 64)
     prompt_lens = parse_prompt_lens(args.prompt_len)
     if len(prompt_lens) > 1 and not compare:

@@ -1,0 +1,78 @@
+"""`bench linears`: the block GEMM alone, on a model file's own weights. Each block type's
+weights are repacked as the model repacks them, and for each row count every weight of the
+type runs once in turn, as a decode step meets them (from memory, unless they all fit in the
+caches); the median of the runs, and each row count's time against the first's. So a kernel
+change shows apart from the rest of a step, per type, and `--path` runs one dispatch path
+(as NANOINFER_QUANT_PATH does) for comparing paths on one CPU. Each weight is one call from
+Python (some microseconds), which the compiled decoder stack does not pay: a file of many
+small weights reads slower here than its step runs them."""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from .. import threads
+from ..errors import NanoinferError
+from ..kernels import quant
+from ..loaders import load_files
+from ..tensors import QuantizedTensor
+from .common import emit_json, machine, median, parse_counts, print_table, progress, progress_done, versions
+
+
+def _weights(path: str | None) -> dict[str, list[QuantizedTensor]]:
+    """The file's linear weights that have a block kernel, repacked, by type name (a tied
+    embedding counts: it is the head)."""
+    files = load_files(path, dtype=None)
+    tied = "lm_head.weight" not in files.state
+    by_type: dict[str, list[QuantizedTensor]] = {}
+    for name, t in files.state.items():
+        if not isinstance(t, QuantizedTensor) or not quant.supported(t.qtype):
+            continue
+        if name.endswith("embed_tokens.weight") and not tied:
+            continue
+        by_type.setdefault(t.type_name, []).append(quant.repack(t))
+    if files.release is not None:
+        files.release()
+    return by_type
+
+
+def run(a: argparse.Namespace) -> int:
+    n_threads = threads.use(a.threads)
+    rows = parse_counts(a.rows, "--rows", "1,4,8")
+    if a.runs < 1:
+        raise NanoinferError("--runs must be >= 1")
+    quant.set_path(None if a.path == "auto" else a.path)
+    progress("loading and repacking the weights ...")
+    by_type = _weights(a.model)
+    progress_done()
+    if not by_type:
+        raise NanoinferError(f"{a.model or 'the default model'}: no weight runs in a block kernel "
+                             "(not a GGUF of block types, or no compiled kernels)")
+    g = torch.Generator().manual_seed(a.seed)
+    path = a.path if a.path != "auto" else (quant.paths() or ["none"])[-1]
+    print(f"bench linears: {a.model or 'the default model'}, path {path}, {n_threads} threads, median of {a.runs}")
+    results, table = [], []
+    for type_name, ws in sorted(by_type.items()):
+        nbytes = sum(w.data.numel() for w in ws)
+        xs = {m: {K: torch.randn(m, K, generator=g) for K in {w.shape[1] for w in ws}} for m in rows}
+        times: dict[int, list[float]] = {m: [] for m in rows}
+        for _ in range(a.runs):
+            for m in rows:  # alternating: the row counts see the same machine
+                t0 = time.perf_counter()
+                for w in ws:
+                    quant.linear(xs[m][w.shape[1]], w.data, w.qtype, repacked=w.repacked)
+                times[m].append(time.perf_counter() - t0)
+        base = median(times[rows[0]])
+        for m in rows:
+            t = median(times[m])
+            results.append({"type": type_name, "weights": len(ws), "bytes": nbytes, "rows": m, "seconds": t,
+                            "seconds_all": times[m], "bytes_per_s": nbytes / t, "vs_first": t / base})
+            table.append([type_name, str(len(ws)), f"{nbytes / 2**20:.1f}", str(m), f"{t * 1e3:.2f}",
+                          f"{nbytes / t / 1e9:.1f}", f"{t / base:.2f}x"])
+    print_table(["type", "weights", "MiB", "rows", "ms", "GB/s", f"vs {rows[0]} row(s)"], table)
+    emit_json({"bench": "linears", "model": str(a.model) if a.model else None, "path": path,
+                      "threads": n_threads, "runs": a.runs, "versions": versions(),
+                      "machine": machine(torch.device("cpu")), "results": results})
+    return 0
