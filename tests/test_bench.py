@@ -329,6 +329,35 @@ def test_bench_linears(make_hf_model, tiny_tokenizer_dir, tmp_path, capsys):
     assert f"{doc['results'][1]['vs_first']:.2f}x" in out
 
 
+def test_bench_linears_by_shape(make_hf_model, tiny_tokenizer_dir, tmp_path, capsys):
+    """--by shape: one set per type and weight shape, each holding exactly the file's weights of
+    that shape; the table names the shape."""
+    from collections import Counter
+
+    from nanoinfer.kernels import quant
+    from nanoinfer.loaders import load_files
+    from nanoinfer.tensors import QuantizedTensor
+
+    from gguf_export import write_gguf_from_hf
+
+    if not quant.paths():
+        pytest.skip("no compiled kernels")
+    model, _ = make_hf_model("llama")
+    path = write_gguf_from_hf(model, tiny_tokenizer_dir, tmp_path / "q8.gguf", tensor_type="Q8_0")
+    state = load_files(path, dtype=None).state
+    tied = "lm_head.weight" not in state
+    want = Counter(tuple(t.shape) for name, t in state.items() if isinstance(t, QuantizedTensor)
+                   and (tied or not name.endswith("embed_tokens.weight")))
+    assert len(want) > 1  # the test means something only with several shapes
+    doc, out = run_bench(capsys, ["linears", "--model", str(path), "--rows", "2", "--runs", "1", "--path", "portable",
+                                  "--threads", "1", "--by", "shape"])
+    assert doc["by"] == "shape"
+    got = {tuple(r["shape"]): r["weights"] for r in doc["results"]}
+    assert got == dict(want) and len(doc["results"]) == len(want)
+    for shape in want:
+        assert f"Q8_0 {shape[0]}x{shape[1]}" in out
+
+
 def test_bench_linears_needs_block_weights(make_hf_model, capsys):
     _, path = make_hf_model("llama")  # a Hugging Face folder: float32 weights, no blocks
     assert main(["linears", "--model", str(path), "--runs", "1"]) == 1

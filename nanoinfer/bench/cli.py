@@ -189,6 +189,8 @@ def _add_commands(sub) -> None:
                      help="the kernels' dispatch path (default auto: the fastest this CPU runs)")
     lin.add_argument("--threads", type=int, default=None, help="kernel threads (default: the physical cores)")
     lin.add_argument("--seed", type=int, default=0, help="seed of the activations (default 0)")
+    lin.add_argument("--by", default="type", choices=["type", "shape"],
+                     help="one line per block type, or per type and weight shape (N x K) (default type)")
     lin.set_defaults(func=_linears)
 
 

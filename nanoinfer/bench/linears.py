@@ -2,7 +2,9 @@
 weights are repacked as the model repacks them, and for each row count every weight of the
 type runs once in turn, as a decode step meets them (from memory, unless they all fit in the
 caches); the median of the runs, and each row count's time against the first's. So a kernel
-change shows apart from the rest of a step, per type, and `--path` runs one dispatch path
+change shows apart from the rest of a step, per type (or, with `--by shape`, per type and
+weight shape: where a tile's cost depends on K, or one large weight such as the head stands
+apart), and `--path` runs one dispatch path
 (as NANOINFER_QUANT_PATH does) for comparing paths on one CPU. Each weight is one call from
 Python (some microseconds), which the compiled decoder stack does not pay: a file of many
 small weights reads slower here than its step runs them."""
@@ -53,8 +55,13 @@ def run(a: argparse.Namespace) -> int:
     g = torch.Generator().manual_seed(a.seed)
     path = a.path if a.path != "auto" else (quant.paths() or ["none"])[-1]
     print(f"bench linears: {a.model or 'the default model'}, path {path}, {n_threads} threads, median of {a.runs}")
+    sets: dict[tuple[str, tuple[int, int] | None], list[QuantizedTensor]] = {}
+    for type_name, ws in by_type.items():
+        for w in ws:
+            sets.setdefault((type_name, tuple(w.shape) if a.by == "shape" else None), []).append(w)
     results, table = [], []
-    for type_name, ws in sorted(by_type.items()):
+    for (type_name, shape), ws in sorted(sets.items(), key=lambda kv: (kv[0][0], kv[0][1] or ())):
+        label = type_name + (f" {shape[0]}x{shape[1]}" if shape else "")
         nbytes = sum(w.data.numel() for w in ws)
         xs = {m: {K: torch.randn(m, K, generator=g) for K in {w.shape[1] for w in ws}} for m in rows}
         times: dict[int, list[float]] = {m: [] for m in rows}
@@ -67,12 +74,13 @@ def run(a: argparse.Namespace) -> int:
         base = median(times[rows[0]])
         for m in rows:
             t = median(times[m])
-            results.append({"type": type_name, "weights": len(ws), "bytes": nbytes, "rows": m, "seconds": t,
-                            "seconds_all": times[m], "bytes_per_s": nbytes / t, "vs_first": t / base})
-            table.append([type_name, str(len(ws)), f"{nbytes / 2**20:.1f}", str(m), f"{t * 1e3:.2f}",
+            results.append({"type": type_name, "shape": list(shape) if shape else None, "weights": len(ws),
+                            "bytes": nbytes, "rows": m, "seconds": t, "seconds_all": times[m],
+                            "bytes_per_s": nbytes / t, "vs_first": t / base})
+            table.append([label, str(len(ws)), f"{nbytes / 2**20:.1f}", str(m), f"{t * 1e3:.2f}",
                           f"{nbytes / t / 1e9:.1f}", f"{t / base:.2f}x"])
     print_table(["type", "weights", "MiB", "rows", "ms", "GB/s", f"vs {rows[0]} row(s)"], table)
-    emit_json({"bench": "linears", "model": str(a.model) if a.model else None, "path": path,
-                      "threads": n_threads, "runs": a.runs, "versions": versions(),
-                      "machine": machine(torch.device("cpu")), "results": results})
+    emit_json({"bench": "linears", "model": str(a.model) if a.model else None, "path": path, "by": a.by,
+               "threads": n_threads, "runs": a.runs, "versions": versions(),
+               "machine": machine(torch.device("cpu")), "results": results})
     return 0
