@@ -300,10 +300,10 @@ def test_bench_loop(make_hf_model, tmp_path, capsys):
     assert_png(png)
 
 
-
-def test_bench_linears(make_hf_model, tiny_tokenizer_dir, tmp_path, capsys):
-    """Every block weight of the file, by type, once per row count and run; the table's
-    figures are the JSON's."""
+@pytest.fixture
+def q8_block_file(make_hf_model, tiny_tokenizer_dir, tmp_path):
+    """A tiny Llama written as a Q8_0 GGUF, and the weights `bench linears` should run: every
+    block weight, the embedding only where it is the (tied) head."""
     from nanoinfer.kernels import quant
     from nanoinfer.loaders import load_files
     from nanoinfer.tensors import QuantizedTensor
@@ -316,8 +316,14 @@ def test_bench_linears(make_hf_model, tiny_tokenizer_dir, tmp_path, capsys):
     path = write_gguf_from_hf(model, tiny_tokenizer_dir, tmp_path / "q8.gguf", tensor_type="Q8_0")
     state = load_files(path, dtype=None).state
     tied = "lm_head.weight" not in state
-    want = [t for name, t in state.items() if isinstance(t, QuantizedTensor)
-            and (tied or not name.endswith("embed_tokens.weight"))]
+    return path, [t for name, t in state.items() if isinstance(t, QuantizedTensor)
+                  and (tied or not name.endswith("embed_tokens.weight"))]
+
+
+def test_bench_linears(q8_block_file, capsys):
+    """Every block weight of the file, by type, once per row count and run; the table's
+    figures are the JSON's."""
+    path, want = q8_block_file
     doc, out = run_bench(capsys, ["linears", "--model", str(path), "--rows", "1,3", "--runs", "2", "--path", "portable",
                                   "--threads", "1"])
     assert doc["bench"] == "linears" and doc["path"] == "portable" and doc["threads"] == 1 and "cpu" in doc["machine"]
@@ -329,25 +335,13 @@ def test_bench_linears(make_hf_model, tiny_tokenizer_dir, tmp_path, capsys):
     assert f"{doc['results'][1]['vs_first']:.2f}x" in out
 
 
-def test_bench_linears_by_shape(make_hf_model, tiny_tokenizer_dir, tmp_path, capsys):
+def test_bench_linears_by_shape(q8_block_file, capsys):
     """--by shape: one set per type and weight shape, each holding exactly the file's weights of
     that shape; the table names the shape."""
     from collections import Counter
 
-    from nanoinfer.kernels import quant
-    from nanoinfer.loaders import load_files
-    from nanoinfer.tensors import QuantizedTensor
-
-    from gguf_export import write_gguf_from_hf
-
-    if not quant.paths():
-        pytest.skip("no compiled kernels")
-    model, _ = make_hf_model("llama")
-    path = write_gguf_from_hf(model, tiny_tokenizer_dir, tmp_path / "q8.gguf", tensor_type="Q8_0")
-    state = load_files(path, dtype=None).state
-    tied = "lm_head.weight" not in state
-    want = Counter(tuple(t.shape) for name, t in state.items() if isinstance(t, QuantizedTensor)
-                   and (tied or not name.endswith("embed_tokens.weight")))
+    path, weights = q8_block_file
+    want = Counter(tuple(t.shape) for t in weights)
     assert len(want) > 1  # the test means something only with several shapes
     doc, out = run_bench(capsys, ["linears", "--model", str(path), "--rows", "2", "--runs", "1", "--path", "portable",
                                   "--threads", "1", "--by", "shape"])

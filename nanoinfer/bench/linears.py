@@ -22,22 +22,24 @@ from ..loaders import load_files
 from ..tensors import QuantizedTensor
 from .common import emit_json, machine, median, parse_counts, print_table, progress, progress_done, versions
 
+WeightSet = tuple[str, tuple[int, int] | None]  # (type name, the weights' shape with --by shape, else None)
 
-def _weights(path: str | None) -> dict[str, list[QuantizedTensor]]:
-    """The file's linear weights that have a block kernel, repacked, by type name (a tied
-    embedding counts: it is the head)."""
+
+def _weight_sets(path: str | None, by_shape: bool) -> dict[WeightSet, list[QuantizedTensor]]:
+    """The file's linear weights that have a block kernel, repacked, by type name and, with
+    by_shape, shape (a tied embedding counts: it is the head)."""
     files = load_files(path, dtype=None)
     tied = "lm_head.weight" not in files.state
-    by_type: dict[str, list[QuantizedTensor]] = {}
+    sets: dict[WeightSet, list[QuantizedTensor]] = {}
     for name, t in files.state.items():
         if not isinstance(t, QuantizedTensor) or not quant.supported(t.qtype):
             continue
         if name.endswith("embed_tokens.weight") and not tied:
             continue
-        by_type.setdefault(t.type_name, []).append(quant.repack(t))
+        sets.setdefault((t.type_name, tuple(t.shape) if by_shape else None), []).append(quant.repack(t))
     if files.release is not None:
         files.release()
-    return by_type
+    return sets
 
 
 def run(a: argparse.Namespace) -> int:
@@ -47,18 +49,14 @@ def run(a: argparse.Namespace) -> int:
         raise NanoinferError("--runs must be >= 1")
     quant.set_path(None if a.path == "auto" else a.path)
     progress("loading and repacking the weights ...")
-    by_type = _weights(a.model)
+    sets = _weight_sets(a.model, a.by == "shape")
     progress_done()
-    if not by_type:
+    if not sets:
         raise NanoinferError(f"{a.model or 'the default model'}: no weight runs in a block kernel "
                              "(not a GGUF of block types, or no compiled kernels)")
     g = torch.Generator().manual_seed(a.seed)
     path = a.path if a.path != "auto" else (quant.paths() or ["none"])[-1]
     print(f"bench linears: {a.model or 'the default model'}, path {path}, {n_threads} threads, median of {a.runs}")
-    sets: dict[tuple[str, tuple[int, int] | None], list[QuantizedTensor]] = {}
-    for type_name, ws in by_type.items():
-        for w in ws:
-            sets.setdefault((type_name, tuple(w.shape) if a.by == "shape" else None), []).append(w)
     results, table = [], []
     for (type_name, shape), ws in sorted(sets.items(), key=lambda kv: (kv[0][0], kv[0][1] or ())):
         label = type_name + (f" {shape[0]}x{shape[1]}" if shape else "")
