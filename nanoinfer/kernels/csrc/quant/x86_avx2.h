@@ -246,8 +246,10 @@ QG_AVX2 inline void k_min_sums(const KScales& ks, const KActs<R>& x, int64_t b, 
                            pick_bytes(ks.mn_hi, kPair16[1])};
     for (int i = 0; i < R; i++) {
         ms[i] = _mm256_setzero_si256();
-        for (int p = 0; p < 4; p++)
+        for (int p = 0; p < 4; p++) {
             ms[i] = _mm256_add_epi32(ms[i], _mm256_madd_epi16(mp[p], bcast4(reinterpret_cast<const int8_t*>(x.xb[i] + b * 16 + 2 * p))));
+            asm("" : "+x"(ms[i]));
+        }
     }
 }
 
@@ -340,7 +342,10 @@ QG_AVX2 void groupk_avx2(const Ctx& c, int64_t n, int64_t m0) {
                                     asm("" : "+x"(s[i]));
                                 }
                             }
-                            for (int i = 0; i < R; i++) isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(s[i], s16));
+                            for (int i = 0; i < R; i++) {  // (in order: GCC held every pair's sums on the stack for a tree)
+                                isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(s[i], s16));
+                                asm("" : "+x"(isum[i]));
+                            }
                         }
                     }
             __m256i off[R];
@@ -359,19 +364,21 @@ QG_AVX2 void groupk_avx2(const Ctx& c, int64_t n, int64_t m0) {
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {  // (unrolled: qh_bit's shifts take immediate counts)
                 const __m256i s16 = ks.scale16(j);
-                __m256i s0[R], s1[R];
-                for (int i = 0; i < R; i++) s0[i] = s1[i] = _mm256_setzero_si256();
-                for (int v = 0; v < 8; v++) {
-                    const __m256i wv = k_weights<T>(gb, j, v);
-                    for (int i = 0; i < R; i++) {
-                        __m256i& s = T == Q5_K && v >= 4 ? s1[i] : s0[i];
-                        s = _mm256_add_epi16(s, _mm256_maddubs_epi16(wv, bcast4(x.xq[i] + b * QK + 32 * j + 4 * v)));
-                        asm("" : "+x"(s));
+                constexpr int run = T == Q5_K ? 4 : 8;  // weight vectors whose int16 sums stay exact
+                for (int v0 = 0; v0 < 8; v0 += run) {
+                    __m256i s[R];
+                    for (int i = 0; i < R; i++) s[i] = _mm256_setzero_si256();
+                    for (int v = v0; v < v0 + run; v++) {
+                        const __m256i wv = k_weights<T>(gb, j, v);
+                        for (int i = 0; i < R; i++) {
+                            s[i] = _mm256_add_epi16(s[i], _mm256_maddubs_epi16(wv, bcast4(x.xq[i] + b * QK + 32 * j + 4 * v)));
+                            asm("" : "+x"(s[i]));
+                        }
                     }
-                }
-                for (int i = 0; i < R; i++) {
-                    isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(s0[i], s16));
-                    if constexpr (T == Q5_K) isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(s1[i], s16));
+                    for (int i = 0; i < R; i++) {  // (in order, as above)
+                        isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(s[i], s16));
+                        asm("" : "+x"(isum[i]));
+                    }
                 }
             }
             dv = load8_half(gb);
