@@ -303,6 +303,17 @@ QG_AVX2 inline void q6_offset_sums(const Q6Scales& sc, const KActs<R>& x, int64_
     }
 }
 
+// Each row's int16 sums of a run of weight vectors, times the run's scale (int16 pairs), into
+// its int32 sum. In order, behind a barrier: left free, GCC kept all of a block's runs on the
+// stack to add them as a tree at the end (a 4-row Q6_K tile spilled 128 vectors a block).
+template <int R>
+QG_AVX2 inline void add_scaled(__m256i* isum, const __m256i* s, __m256i s16) {
+    for (int i = 0; i < R; i++) {
+        isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(s[i], s16));
+        asm("" : "+x"(isum[i]));
+    }
+}
+
 // K-quants in the repacked layout: outputs y[m0 .. m0 + R - 1, n .. n + 7] as dotk computes
 // them, lane j of each vector output n + j. Per sub-block, 4 activation values broadcast to
 // every lane meet 4 values of each of the 8 rows (vpmaddubsw, summed in int16 while exact:
@@ -342,10 +353,7 @@ QG_AVX2 void groupk_avx2(const Ctx& c, int64_t n, int64_t m0) {
                                     asm("" : "+x"(s[i]));
                                 }
                             }
-                            for (int i = 0; i < R; i++) {  // (in order: GCC held every pair's sums on the stack for a tree)
-                                isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(s[i], s16));
-                                asm("" : "+x"(isum[i]));
-                            }
+                            add_scaled<R>(isum, s, s16);
                         }
                     }
             __m256i off[R];
@@ -375,10 +383,7 @@ QG_AVX2 void groupk_avx2(const Ctx& c, int64_t n, int64_t m0) {
                             asm("" : "+x"(s[i]));
                         }
                     }
-                    for (int i = 0; i < R; i++) {  // (in order, as above)
-                        isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(s[i], s16));
-                        asm("" : "+x"(isum[i]));
-                    }
+                    add_scaled<R>(isum, s, s16);
                 }
             }
             dv = load8_half(gb);
