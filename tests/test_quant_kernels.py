@@ -211,6 +211,48 @@ def test_paths_agree_bit_for_bit(qtype):
             assert torch.equal(bits(y), bits(outs[0])), f"M={M}"
 
 
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: T(t).name)
+def test_paths_agree_bit_for_bit_at_the_integer_extremes(qtype):
+    """Weights and activations at the ends of their ranges, where the SIMD tiles' int16 partial
+    sums come nearest overflow (the AVX2 Q6_K tile's lane, sum (w - 32) x over 8 values, reaches
+    -32 * 8 * 127; summed from zero, its products alone would pass 2^15): the portable kernel
+    gets the exact sum, and every path and layout its bits."""
+    N, K = 24, 512
+    bs, ts = gguf.GGML_QUANT_SIZES[qtype]
+    x = torch.ones(6, K)
+    x[1] = -1
+    x[2].view(-1, 4)[:, 2:] = -1  # per 4 values +, +, -, -: a lane's pair all of one sign
+    x[3].view(-1, 4)[:, :2] = -1
+    x[4, ::2] = -1
+    x[5] = torch.randn(K, generator=torch.Generator().manual_seed(13))
+    x_hat, _ = quantize_x(x, qtype)
+    for fill in (0x00, 0xFF):  # Q6_K: every weight -32 / 31; Q4_K, Q5_K: 0 / 15, 31 with scales and mins 63
+        raw = np.full((N, K // bs, ts), fill, np.uint8)
+        d_at = 208 if qtype == T.Q6_K else 0
+        raw[:, :, d_at:d_at + 2] = np.array([1e-3], np.float16).view(np.uint8)
+        if qtype in WITH_MIN:
+            raw[:, :, 2:4] = np.array([2e-3], np.float16).view(np.uint8)
+        if qtype == T.Q6_K:  # the int8 scales at either end
+            raw[0::2, :, 192:208] = np.array([-128], np.int8).view(np.uint8)
+            raw[1::2, :, 192:208] = 127
+        w = torch.from_numpy(raw.reshape(N, -1))
+        Wd = torch.from_numpy(dequantize(w.numpy(), qtype))
+        want = x_hat @ Wd.T
+        layouts = [(w, False), (layout(w, qtype, K, True), True)]
+        try:
+            quant.set_path("portable")
+            y = quant.linear(x, w, qtype)
+            assert ((y.double() - want).abs() <= 1e-5 * want.abs().max()).all(), fill
+            for p in quant.paths():
+                quant.set_path(p)
+                for M in (1, 4, 6):  # the 1-row and the 4-row tiles, and 4 + 2
+                    for wl, r in layouts:
+                        got = quant.linear(x[:M].contiguous(), wl, qtype, repacked=r)
+                        assert torch.equal(bits(got), bits(y[:M])), (p, M, r, fill)
+        finally:
+            quant.set_path(None)
+
+
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_dequantize_rows_is_gguf_exactly(case):
     qtype, repacked = case

@@ -98,7 +98,8 @@ inline float hsum8(const float* a) {
 }
 
 // Everything one call works on. Activation row m: q + m * K, d, s and xsum + m * nb, bs + m * nb * 16
-// (sums of q per 16 values for q8_K16, per 32 for q8_K32: 8 used of 16).
+// (sums of q per 16 values for q8_K16, per 32 for q8_K32: 8 used of 16), po + m * nb * 32
+// (q8_K16: per 16 values, -32 times the sums of their even and odd pairs; quantize_row).
 struct Ctx {
     int64_t M, K, N, nb, rb;  // nb: weight blocks per row; rb: bytes per weight row
     const uint8_t* w;
@@ -107,6 +108,7 @@ struct Ctx {
     const float* d;
     const float* s;
     const int16_t* bs;
+    const int16_t* po;
     const int32_t* xsum;      // q8_0: sum(q) per block (the repacked kernels' offset for Q4_0, Q5_0, Q8_0)
     const float* bias;
     float* y;

@@ -203,17 +203,20 @@ QG_AVX2 inline __m256i qh_bit(__m256i h, int j) {
     return _mm256_and_si256(b, _mm256_set1_epi8(16));
 }
 
-// The activation rows of a K-quant tile (row i is m0 + i): values, scales, the sums per 16 values.
+// The activation rows of a K-quant tile (row i is m0 + i): values, scales, the sums per 16
+// values, and (q8_K16) Q6_K's offsets per 16 values (Ctx::po), else null.
 template <int R>
 struct KActs {
     const int8_t* xq[R];
     const float* xd[R];
     const int16_t* xb[R];
+    const int16_t* xo[R];
     QG_AVX2 KActs(const Ctx& c, int64_t m0) {
         for (int i = 0; i < R; i++) {
             xq[i] = c.q + (m0 + i) * c.K;
             xd[i] = c.d + (m0 + i) * c.nb;
             xb[i] = c.bs + (m0 + i) * c.nb * 16;
+            xo[i] = c.po ? c.po + (m0 + i) * c.nb * 32 : nullptr;
         }
     }
 };
@@ -291,7 +294,8 @@ QG_AVX2 inline __m256i q6_weights(const uint8_t* gb, int h, int t, int v) {
     return _mm256_or_si256(lo4, hi2);
 }
 
-// Q6_K's offset: each row's sum_g sc_g * (the sum of x over group g), taken off 32 times.
+// Q6_K's offset: each row's sum_g sc_g * (the sum of x over group g), taken off 32 times (the
+// AVX-512 tile's; the AVX2 one starts its int16 sums from po instead).
 template <int R>
 QG_AVX2 inline void q6_offset_sums(const Q6Scales& sc, const KActs<R>& x, int64_t b, __m256i* off) {
     for (int i = 0; i < R; i++) {
@@ -317,9 +321,11 @@ QG_AVX2 inline void add_scaled(__m256i* isum, const __m256i* s, __m256i s16) {
 // K-quants in the repacked layout: outputs y[m0 .. m0 + R - 1, n .. n + 7] as dotk computes
 // them, lane j of each vector output n + j. Per sub-block, 4 activation values broadcast to
 // every lane meet 4 values of each of the 8 rows (vpmaddubsw, summed in int16 while exact:
-// Q4_K 8 products of at most 15 * 127, Q5_K 4 of 31 * 127, Q6_K 2 of 63 * 127), then
-// vpmaddwd by the row's scale makes the lane's int32; the mins (Q4_K, Q5_K) and Q6_K's -32
-// take one vpmaddwd per two sub-blocks against the activations' sums.
+// Q4_K 8 products of at most 15 * 127, Q5_K 4 of 31 * 127), then vpmaddwd by the row's scale
+// makes the lane's int32; the mins take one vpmaddwd per two sub-blocks against the
+// activations' sums. Q6_K sums a group's 4 vectors in int16 from the lane's offset on (po:
+// -32 times the sum of its 8 activation values): at every step the sum is (w - 32) x over
+// the values added and -32 x over the rest, 8 terms within +-32 * 127, so it stays exact.
 template <int T, int R, bool PF>
 QG_AVX2 void groupk_avx2(const Ctx& c, int64_t n, int64_t m0) {
     using L = PackedK<T>;
@@ -340,25 +346,22 @@ QG_AVX2 void groupk_avx2(const Ctx& c, int64_t n, int64_t m0) {
             for (int h = 0; h < 2; h++)
 #pragma GCC unroll 4
                 for (int t = 0; t < 4; t++)  // values 128h + 32t + 4v + (0..3): groups 8h + 2t (v < 4), 8h + 2t + 1
+#pragma GCC unroll 2
                     for (int half = 0; half < 2; half++) {
-                        const __m256i s16 = sc.scale16(8 * h + 2 * t + half);
-                        for (int pair = 0; pair < 2; pair++) {
-                            __m256i s[R];
-                            for (int i = 0; i < R; i++) s[i] = _mm256_setzero_si256();
-                            for (int u = 0; u < 2; u++) {
-                                const int v = 4 * half + 2 * pair + u;
-                                const __m256i wv = q6_weights(gb, h, t, v);
-                                for (int i = 0; i < R; i++) {
-                                    s[i] = _mm256_add_epi16(s[i], _mm256_maddubs_epi16(wv, bcast4(x.xq[i] + b * QK + 128 * h + 32 * t + 4 * v)));
-                                    asm("" : "+x"(s[i]));
-                                }
+                        const int group = 8 * h + 2 * t + half;
+                        __m256i s[R];  // from the offset on
+                        for (int i = 0; i < R; i++) s[i] = bcast4(reinterpret_cast<const int8_t*>(x.xo[i] + b * 32 + 2 * group));
+#pragma GCC unroll 4
+                        for (int u = 0; u < 4; u++) {
+                            const int v = 4 * half + u;
+                            const __m256i wv = q6_weights(gb, h, t, v);
+                            for (int i = 0; i < R; i++) {
+                                s[i] = _mm256_add_epi16(s[i], _mm256_maddubs_epi16(wv, bcast4(x.xq[i] + b * QK + 128 * h + 32 * t + 4 * v)));
+                                asm("" : "+x"(s[i]));
                             }
-                            add_scaled<R>(isum, s, s16);
                         }
+                        add_scaled<R>(isum, s, sc.scale16(group));
                     }
-            __m256i off[R];
-            q6_offset_sums(sc, x, b, off);
-            for (int i = 0; i < R; i++) isum[i] = _mm256_sub_epi32(isum[i], _mm256_slli_epi32(off[i], 5));
             dv = load8_half(gb + L::q6_d);
         } else {
             const KScales ks(gb + L::sc);
