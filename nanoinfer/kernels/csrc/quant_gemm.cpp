@@ -46,8 +46,10 @@
 // the end (dotk); per output of F32/F16/BF16, 16 lanes (k mod 16) of fused multiply-adds over k,
 // then a fixed tree. Bias last.
 //
-// Work split: rows of W in chunks of 16 per thread (OpenMP, static), only when the matrix is
-// big enough to pay for the threads (inside the decoder stack's team, always). Up to 8 rows
+// Work split: rows of W in chunks of 16, handed to the threads by OpenMP's guided schedule
+// (contiguous runs of chunks, halving as they run out), only when the matrix is big enough to
+// pay for the threads (inside the decoder stack's team, always). Static halves left a thread
+// waiting at each linear's end whenever the other ran slower (2-vCPU hosts do, by turns). Up to 8 rows
 // of x, each weight row (a repacked group: 8 rows) is read once while every tile of (up to 4)
 // x rows takes it from L1; more rows of x: each tile of 4 sweeps a chunk of 16 weight rows
 // kept in cache. The rows of a 32-value type left as stored (a weight's last N % 8, or a weight
@@ -174,7 +176,7 @@ void drive_chunk(const Ctx& c, RowsFn fn, int64_t ch) {
 int64_t chunks_of(int64_t N) { return (N + NCHUNK - 1) / NCHUNK; }
 
 void drive(const Ctx& c, RowsFn fn) {
-#pragma omp for schedule(static)
+#pragma omp for schedule(guided)
     for (int64_t ch = 0; ch < chunks_of(c.N); ch++) drive_chunk(c, fn, ch);
 }
 
