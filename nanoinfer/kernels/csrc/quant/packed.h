@@ -19,9 +19,12 @@
 //               Q5_K: qh as 8 vectors (byte 32v + 4j + t = row j's qh[4v + t]), then qs as 32
 //               vectors, chunk c (qs[32c..32c+31]: sub-blocks 2c low, 2c + 1 high) vector v at
 //               32 (8c + v): byte 4j + t = row j's qs[32c + 4v + t]
-//   Q6_K        ql as 32 vectors (chunk of 32 bytes c = 0..3 at ql[32c], vector v: byte 4j + t =
-//               row j's ql[32c + 4v + t]), qh as 16 (chunk h = 0..1, the same way), the 16 int8
-//               scales as 4 vectors (vector w: bytes 4j..4j+3 = row j's scales 4w..4w+3), d 8 x fp16
+//   Q6_K        the 6-bit values as 48 vectors, three per (h, v) (h = 0..1, v = 0..7) at
+//               32 (3 (8h + v) + c), c = 0..2: byte 4j + k = row j's value 128h + 32c + 4v + k in
+//               bits 0..5, and bits 2c, 2c + 1 of its value 128h + 96 + 4v + k in bits 6, 7 (so
+//               three values come out with one AND, the fourth from the three bytes' tops); the
+//               16 int8 scales as 4 vectors (vector w: bytes 4j..4j+3 = row j's scales 4w..4w+3),
+//               d 8 x fp16
 // A weight of N rows keeps its first N - N % 8 rows in groups and the rest as stored, after
 // them: row n < N - N % 8 is row n % 8 of the group at (n / 8) * 8 * row_bytes; a later row
 // is at n * row_bytes, where it was.
@@ -97,9 +100,36 @@ struct PackedK {
     // Q4_K, Q5_K: as stored [d][dmin][scales 12]([qh 32])[qs 128]; grouped [d x8][dmin x8][scales 96]([qh 256])[qs 1024]
     static constexpr int row_qh = 16, row_qs = T == Q5_K ? 48 : 16;
     static constexpr int sc = 32, qh = 128, qs = T == Q5_K ? 384 : 128;
-    // Q6_K: as stored [ql 128][qh 64][scales 16][d]; grouped [ql 1024][qh 512][scales 128][d x8]
-    static constexpr int q6_qh = 1024, q6_sc = 1536, q6_d = 1664;
+    // Q6_K: as stored [ql 128][qh 64][scales 16][d]; grouped [values 1536][scales 128][d x8]
+    static constexpr int q6_sc = 1536, q6_d = 1664;
 };
+
+// Q6_K's 256 6-bit values of a block as stored (ql, then qh): value 128h + 32t + l (h < 2,
+// t < 4, l < 32) is (ql[64h + 32(t & 1) + l] >> 4(t >> 1)) & 15 | ((qh[32h + l] >> 2t) & 3) << 4.
+inline void q6_values(const uint8_t* b, uint8_t* q) {
+    const uint8_t *ql = b, *qh = b + 128;
+    for (int h = 0; h < 2; h++)
+        for (int t = 0; t < 4; t++)
+            for (int l = 0; l < 32; l++)
+                q[128 * h + 32 * t + l] = uint8_t(((ql[64 * h + 32 * (t & 1) + l] >> (4 * (t >> 1))) & 15) |
+                                                  (((qh[32 * h + l] >> (2 * t)) & 3) << 4));
+}
+// ... and back into ql, qh.
+inline void q6_store_values(const uint8_t* q, uint8_t* b) {
+    std::memset(b, 0, 192);
+    for (int h = 0; h < 2; h++)
+        for (int t = 0; t < 4; t++)
+            for (int l = 0; l < 32; l++) {
+                const uint8_t v = q[128 * h + 32 * t + l];
+                b[64 * h + 32 * (t & 1) + l] |= uint8_t((v & 15) << (4 * (t >> 1)));
+                b[128 + 32 * h + l] |= uint8_t((v >> 4) << (2 * t));
+            }
+}
+// Byte 4j + k of the grouped values' vector (h, v, c), from row j's 256 values.
+inline uint8_t q6_group_byte(const uint8_t* q, int h, int v, int c, int k) {
+    const int i = 128 * h + 4 * v + k;
+    return uint8_t(q[i + 32 * c] | ((q[i + 96] >> (2 * c)) & 3) << 6);
+}
 
 // Row j's bytes [from, from + 4 * vectors) as `vectors` vectors of 4 bytes per row, at out.
 inline void interleave4(const uint8_t* const* rows, int from, int vectors, uint8_t* out) {
@@ -114,8 +144,14 @@ template <int T>
 void packk(const uint8_t* const* blocks, uint8_t* out) {
     using L = PackedK<T>;
     if constexpr (T == Q6_K) {
-        interleave4(blocks, 0, 32, out);
-        interleave4(blocks, 128, 16, out + L::q6_qh);
+        for (int j = 0; j < kGroup; j++) {
+            uint8_t q[256];
+            q6_values(blocks[j], q);
+            for (int h = 0; h < 2; h++)
+                for (int v = 0; v < 8; v++)
+                    for (int c = 0; c < 3; c++)
+                        for (int k = 0; k < 4; k++) out[32 * (3 * (8 * h + v) + c) + 4 * j + k] = q6_group_byte(q, h, v, c, k);
+        }
         interleave4(blocks, 192, 4, out + L::q6_sc);
         for (int j = 0; j < kGroup; j++) std::memcpy(out + L::q6_d + 2 * j, blocks[j] + 208, 2);
     } else {
@@ -133,8 +169,17 @@ template <int T>
 void unpackk(const uint8_t* g, int j, uint8_t* out) {
     using L = PackedK<T>;
     if constexpr (T == Q6_K) {
-        deinterleave4(g, j, 32, out, 0);
-        deinterleave4(g + L::q6_qh, j, 16, out, 128);
+        uint8_t q[256] = {};
+        for (int h = 0; h < 2; h++)
+            for (int v = 0; v < 8; v++)
+                for (int c = 0; c < 3; c++)
+                    for (int k = 0; k < 4; k++) {
+                        const uint8_t byte = g[32 * (3 * (8 * h + v) + c) + 4 * j + k];
+                        const int i = 128 * h + 4 * v + k;
+                        q[i + 32 * c] = byte & 63;
+                        q[i + 96] |= uint8_t((byte >> 6) << (2 * c));
+                    }
+        q6_store_values(q, out);
         deinterleave4(g + L::q6_sc, j, 4, out, 192);
         std::memcpy(out + 208, g + L::q6_d + 2 * j, 2);
     } else {

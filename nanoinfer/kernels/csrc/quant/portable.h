@@ -62,12 +62,7 @@ inline void kscales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
 template <int T>
 void decode256(const uint8_t* b, uint8_t* q) {
     if constexpr (T == Q6_K) {
-        const uint8_t *ql = b, *qh = b + 128;
-        for (int h = 0; h < 2; h++)
-            for (int t = 0; t < 4; t++)
-                for (int l = 0; l < 32; l++)
-                    q[128 * h + 32 * t + l] = uint8_t(((ql[64 * h + 32 * (t & 1) + l] >> (4 * (t >> 1))) & 15) |
-                                                      (((qh[32 * h + l] >> (2 * t)) & 3) << 4));
+        q6_values(b, q);
     } else {
         const uint8_t* qs = b + (T == Q5_K ? 48 : 16);
         for (int c = 0; c < 4; c++)

@@ -281,17 +281,17 @@ struct Q6Scales {
     QG_AVX2 __m256i scale32(int g) const { return _mm256_srai_epi32(pick_bytes(S[g / 4], kByteHi32[g % 4]), 24); }
 };
 
-// Q6_K: the 6-bit values 128h + 32t + 4v + (0..3) of 8 rows as unsigned bytes (0..63).
+// Q6_K: the 6-bit values 128h + 32t + 4v + (0..3) of 8 rows as unsigned bytes (0..63): for
+// t < 3 the low 6 bits of vector (h, v, t), for t = 3 the top 2 bits of the three vectors
+// (16-bit shifts; the masks drop what crosses from the neighbouring byte).
 QG_AVX2 inline __m256i q6_weights(const uint8_t* gb, int h, int t, int v) {
-    using L = PackedK<Q6_K>;
-    const uint8_t* ql = gb + 32 * 8 * (2 * h + (t & 1));
-    const uint8_t* qh = gb + L::q6_qh + 32 * 8 * h;
-    const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32 * v));
-    const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * v));
-    const __m256i lo4 = _mm256_and_si256(t >> 1 ? _mm256_srli_epi16(l, 4) : l, _mm256_set1_epi8(15));
-    const __m256i hi2 = _mm256_and_si256(2 * t < 4 ? _mm256_slli_epi16(hb, 4 - 2 * t) : _mm256_srli_epi16(hb, 2 * t - 4),
-                                         _mm256_set1_epi8(0x30));
-    return _mm256_or_si256(lo4, hi2);
+    const uint8_t* p = gb + 32 * 3 * (8 * h + v);
+    const auto part = [p](int c) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * c)); };
+    if (t < 3) return _mm256_and_si256(part(t), _mm256_set1_epi8(63));
+    const __m256i b01 = _mm256_and_si256(_mm256_srli_epi16(part(0), 6), _mm256_set1_epi8(3));
+    const __m256i b23 = _mm256_and_si256(_mm256_srli_epi16(part(1), 4), _mm256_set1_epi8(12));
+    const __m256i b45 = _mm256_and_si256(_mm256_srli_epi16(part(2), 2), _mm256_set1_epi8(48));
+    return _mm256_or_si256(_mm256_or_si256(b01, b23), b45);
 }
 
 // Q6_K's offset: each row's sum_g sc_g * (the sum of x over group g), taken off 32 times (the

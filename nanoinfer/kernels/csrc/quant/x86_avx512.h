@@ -136,12 +136,12 @@ QG_AVX512 inline VecI<G> k_weights_of(const uint8_t* const* gb, int j, int v) {
 }
 template <int G>
 QG_AVX512 inline VecI<G> q6_weights_of(const uint8_t* const* gb, int h, int t, int v) {
-    using L = PackedK<Q6_K>;
-    const VecI<G> l = load_groups<G>(gb, 32 * 8 * (2 * h + (t & 1)) + 32 * v);
-    const VecI<G> hb = load_groups<G>(gb, L::q6_qh + 32 * 8 * h + 32 * v);
-    const VecI<G> lo4 = v_and(t >> 1 ? v_srli16(l, 4) : l, bytes_of<G>(15));
-    const VecI<G> hi2 = v_and(2 * t < 4 ? v_slli16(hb, 4 - 2 * t) : v_srli16(hb, 2 * t - 4), bytes_of<G>(0x30));
-    return v_or(lo4, hi2);
+    const int at = 32 * 3 * (8 * h + v);
+    if (t < 3) return v_and(load_groups<G>(gb, at + 32 * t), bytes_of<G>(63));
+    const VecI<G> b01 = v_and(v_srli16(load_groups<G>(gb, at), 6), bytes_of<G>(3));
+    const VecI<G> b23 = v_and(v_srli16(load_groups<G>(gb, at + 32), 4), bytes_of<G>(12));
+    const VecI<G> b45 = v_and(v_srli16(load_groups<G>(gb, at + 64), 2), bytes_of<G>(48));
+    return v_or(v_or(b01, b23), b45);
 }
 
 // Block b of each of the G groups from row n on (group_bytes each), prefetching ahead when PF.
