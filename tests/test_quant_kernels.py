@@ -63,6 +63,21 @@ def test_kernel_builds():
         assert "avx2" in quant.paths()
 
 
+def test_kernels_build_for_a_plain_x86_64(tmp_path):
+    """Each SIMD path carries its own target attributes, so every source builds for an x86-64
+    without AVX (where the dispatch then picks the portable path): a helper left without the
+    attribute (a lambda inside a kernel is one) fails here rather than on a user's older CPU."""
+    import platform
+    import subprocess
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("an x86 check")
+    for src in cpu_kernels.SOURCES:
+        proc = subprocess.run([cpu_kernels.find_compiler(), "-O0", "-march=x86-64", "-std=c++17", "-fopenmp", "-fPIC",
+                               "-w", "-c", str(src), "-o", str(tmp_path / "kernel.o")], capture_output=True, text=True)
+        assert proc.returncode == 0, f"{src.name}: {proc.stderr[-1500:]}"
+
+
 def shape(qtype: int, N: int = 37) -> tuple[int, int]:
     """[N, K]: K a multiple of the block but not of 256 (not of 16 for F32/F16/BF16), N odd."""
     if qtype in K_QUANTS:

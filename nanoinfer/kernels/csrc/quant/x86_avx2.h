@@ -285,12 +285,11 @@ struct Q6Scales {
 // t < 3 the low 6 bits of vector (h, v, t), for t = 3 the top 2 bits of the three vectors
 // (16-bit shifts; the masks drop what crosses from the neighbouring byte).
 QG_AVX2 inline __m256i q6_weights(const uint8_t* gb, int h, int t, int v) {
-    const uint8_t* p = gb + 32 * 3 * (8 * h + v);
-    const auto part = [p](int c) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * c)); };
-    if (t < 3) return _mm256_and_si256(part(t), _mm256_set1_epi8(63));
-    const __m256i b01 = _mm256_and_si256(_mm256_srli_epi16(part(0), 6), _mm256_set1_epi8(3));
-    const __m256i b23 = _mm256_and_si256(_mm256_srli_epi16(part(1), 4), _mm256_set1_epi8(12));
-    const __m256i b45 = _mm256_and_si256(_mm256_srli_epi16(part(2), 2), _mm256_set1_epi8(48));
+    const __m256i* p = reinterpret_cast<const __m256i*>(gb + 32 * 3 * (8 * h + v));
+    if (t < 3) return _mm256_and_si256(_mm256_loadu_si256(p + t), _mm256_set1_epi8(63));
+    const __m256i b01 = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256(p), 6), _mm256_set1_epi8(3));
+    const __m256i b23 = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256(p + 1), 4), _mm256_set1_epi8(12));
+    const __m256i b45 = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256(p + 2), 2), _mm256_set1_epi8(48));
     return _mm256_or_si256(_mm256_or_si256(b01, b23), b45);
 }
 
