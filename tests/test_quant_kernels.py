@@ -87,6 +87,11 @@ def shape(qtype: int, N: int = 37) -> tuple[int, int]:
     return N, 352  # 11 blocks of 32: a group of 8 and a tail of 3
 
 
+def scale_at(qtype: int) -> int:
+    """The byte offset of a K-quant block's fp16 scale d (Q6_K keeps it last)."""
+    return 208 if qtype == T.Q6_K else 0
+
+
 def make_weights(qtype: int, N: int, K: int, seed: int = 0) -> np.ndarray:
     """Random [N, row_bytes] uint8 blocks: gguf's quantiser where it has one, else random
     bytes with fp16 scales of either sign (and one zero scale)."""
@@ -98,7 +103,7 @@ def make_weights(qtype: int, N: int, K: int, seed: int = 0) -> np.ndarray:
         q = gguf.quants.quantize(W, qtype)
         return np.ascontiguousarray(q).view(np.uint8).reshape(N, K // bs * ts)
     raw = rng.integers(0, 256, (N, K // bs, ts), dtype=np.uint8)
-    d_at = 208 if qtype == T.Q6_K else 0
+    d_at = scale_at(qtype)
     scales = (rng.standard_normal((N, K // bs, 2)) * 2e-3).astype(np.float16)
     scales[0, 0] = 0
     raw[:, :, d_at:d_at + 2] = scales[:, :, :1].view(np.uint8)
@@ -204,6 +209,18 @@ def test_rows_do_not_depend_on_the_batch(case, quant_path, N):
     assert torch.equal(bits(quant.linear(x[perm].contiguous(), w, qtype, bias, repacked)), bits(full[perm]))
 
 
+def on_every_path(x: torch.Tensor, layouts, qtype: int) -> list[tuple[str, bool, torch.Tensor]]:
+    """(path, repacked, y) for x against each (weight, repacked) layout on every path of this CPU."""
+    outs = []
+    try:
+        for p in quant.paths():
+            quant.set_path(p)
+            outs += [(p, r, quant.linear(x, wl, qtype, repacked=r)) for wl, r in layouts]
+    finally:
+        quant.set_path(None)
+    return outs
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: T(t).name)
 def test_paths_agree_bit_for_bit(qtype):
     """Every path, and (32-value types) both layouts, give the same bits: the portable kernel
@@ -215,13 +232,7 @@ def test_paths_agree_bit_for_bit(qtype):
     layouts = [(w, False)] + ([(layout(w, qtype, K, True), True)] if qtype in REPACKABLE else [])
     x = torch.randn(17, K, generator=torch.Generator().manual_seed(5))
     for M in (1, 5, 17):  # the decode tiles (one x row against 4 or 8 weight rows) and the batched ones
-        outs = []
-        try:
-            for p in quant.paths():
-                quant.set_path(p)
-                outs += [quant.linear(x[:M].contiguous(), wl, qtype, repacked=r) for wl, r in layouts]
-        finally:
-            quant.set_path(None)
+        outs = [y for _, _, y in on_every_path(x[:M].contiguous(), layouts, qtype)]
         for y in outs[1:]:
             assert torch.equal(bits(y), bits(outs[0])), f"M={M}"
 
@@ -243,7 +254,7 @@ def test_paths_agree_bit_for_bit_at_the_integer_extremes(qtype):
     x_hat, _ = quantize_x(x, qtype)
     for fill in (0x00, 0xFF):  # Q6_K: every weight -32 / 31; Q4_K, Q5_K: 0 / 15, 31 with scales and mins 63
         raw = np.full((N, K // bs, ts), fill, np.uint8)
-        d_at = 208 if qtype == T.Q6_K else 0
+        d_at = scale_at(qtype)
         raw[:, :, d_at:d_at + 2] = np.array([1e-3], np.float16).view(np.uint8)
         if qtype in WITH_MIN:
             raw[:, :, 2:4] = np.array([2e-3], np.float16).view(np.uint8)
@@ -254,18 +265,11 @@ def test_paths_agree_bit_for_bit_at_the_integer_extremes(qtype):
         Wd = torch.from_numpy(dequantize(w.numpy(), qtype))
         want = x_hat @ Wd.T
         layouts = [(w, False), (layout(w, qtype, K, True), True)]
-        try:
-            quant.set_path("portable")
-            y = quant.linear(x, w, qtype)
-            assert ((y.double() - want).abs() <= 1e-5 * want.abs().max()).all(), fill
-            for p in quant.paths():
-                quant.set_path(p)
-                for M in (1, 4, 6):  # the 1-row and the 4-row tiles, and 4 + 2
-                    for wl, r in layouts:
-                        got = quant.linear(x[:M].contiguous(), wl, qtype, repacked=r)
-                        assert torch.equal(bits(got), bits(y[:M])), (p, M, r, fill)
-        finally:
-            quant.set_path(None)
+        y = next(y for p, r, y in on_every_path(x, layouts[:1], qtype) if p == "portable")
+        assert ((y.double() - want).abs() <= 1e-5 * want.abs().max()).all(), fill
+        for M in (1, 4, 6):  # the 1-row and the 4-row tiles, and 4 + 2
+            for p, r, got in on_every_path(x[:M].contiguous(), layouts, qtype):
+                assert torch.equal(bits(got), bits(y[:M])), (p, M, r, fill)
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
@@ -296,7 +300,7 @@ def test_repack_round_trip(qtype, N):
         assert r is t
         return
     assert r.repacked and quant.repack(r) is r
-    d_stored, d_grouped = (208, 1664) if qtype == T.Q6_K else (0, 0)  # the 8 rows' fp16 scales side by side
+    d_stored, d_grouped = scale_at(qtype), (1664 if qtype == T.Q6_K else 0)  # the 8 rows' fp16 scales side by side
     assert torch.equal(r.data.view(-1)[d_grouped + 2:d_grouped + 4], w[1, d_stored:d_stored + 2])
     back = quant.as_stored(r)
     assert not back.repacked and torch.equal(back.data, w)
