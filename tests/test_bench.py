@@ -249,6 +249,30 @@ def test_bench_latency(make_hf_model, tmp_path, capsys):
     assert_png(png)
 
 
+def test_bench_latency_interleaved(make_hf_model, capsys, monkeypatch):
+    from nanoinfer.bench import latency
+
+    _, path = make_hf_model("llama")
+    taken = []
+    real_step = latency.decode_step
+
+    def logged_step(env, run, decode_len):
+        taken.append(run.batch)
+        real_step(env, run, decode_len)
+
+    monkeypatch.setattr(latency, "decode_step", logged_step)
+    doc, out = run_bench(capsys, ["latency", "--model", str(path), "--prompt-len", "8", "--decode-len", "4",
+                                  "--batch-sizes", "1,3", "--interleave", *PEAKS])
+    assert doc["interleaved"] is True
+    assert [r["batch_size"] for r in doc["results"]] == [1, 3]
+    # both prefilled first, then a step of each in turn, the order reversed each round
+    assert taken == [1, 3, 3, 1, 1, 3]
+    for r in doc["results"]:
+        assert r["decode_steps"] == 3 and r["generated_tokens"] == 4 * r["batch_size"] and r["tpot_s"] > 0
+    ratio = doc["results"][1]["tpot_s"] / doc["results"][0]["tpot_s"]
+    assert f"TPOT against batch 1: batch 3 {ratio:.2f}x" in out
+
+
 def test_bench_throughput_against_transformers(make_hf_model, tmp_path, capsys):
     _, path = make_hf_model("llama")
     png = tmp_path / "throughput.png"
@@ -361,6 +385,7 @@ def test_bench_linears_needs_block_weights(make_hf_model, capsys):
     (["latency", "--batch-sizes", "1,x"], "--batch-sizes"),
     (["latency", "--batch-sizes", "0"], ">= 1"),
     (["latency", "--decode-len", "1"], "--decode-len"),
+    (["latency", "--batch-sizes", "4", "--interleave"], "--interleave"),
     (["linears", "--rows", "1,0"], "--rows"),
     (["linears", "--runs", "0"], "--runs"),
     (["throughput", "--min-input-len", "9", "--max-input-len", "3"], "min <= max"),

@@ -68,6 +68,10 @@ def _add_commands(sub) -> None:
     lat.add_argument("--decode-len", type=int, default=None, help="tokens generated (default 64 on CPU, 256 on GPU)")
     lat.add_argument("--batch-sizes", default=None,
                      help="comma-separated (default 1,8,32 on CPU, 1,8,32,128 on GPU; 1 with --compare)")
+    lat.add_argument("--interleave", action="store_true",
+                     help="prefill every batch size, then take one decode step of each in turn, so that each "
+                          "TPOT is timed over the same stretch (ratios between batch sizes on a machine whose "
+                          "speed drifts); peak mem is then the whole run's")
     lat.add_argument("--compare", default=None, choices=["llama.cpp"],
                      help="then batch 1 against llama.cpp on the same GGUF file, threads, prompt and lengths, "
                           "run in a subprocess of --llama-cpp-python")

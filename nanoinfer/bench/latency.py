@@ -4,7 +4,9 @@ For each batch size B, B random prompts of P tokens are submitted at once with a
 budget that prefills them all in one step; that step is the TTFT. Then every decode
 step is timed: TPOT is the median step (robust to a stray slow step on a shared
 machine), decode tok/s is B / TPOT. MBU and MFU compare the step with what the
-hardware could do at the middle of the decode (context P + D/2).
+hardware could do at the middle of the decode (context P + D/2). The batch sizes run one
+after another, or with `--interleave` side by side: all prefilled, then one decode step of
+each in turn, for ratios between them that a drifting machine cannot skew.
 
 `--compare llama.cpp` then measures batch 1 against llama.cpp on the same GGUF file, same
 prompt ids, decode length and threads, for `--runs` rounds that alternate which engine goes
@@ -18,6 +20,7 @@ import argparse
 import gc
 import random
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -80,9 +83,17 @@ def batch_prompts(env: BenchEnv, batch: int, prompt_len: int, seed: int) -> list
     return [random_prompt(rng, prompt_len, env.loaded.config.vocab_size) for _ in range(batch)]
 
 
-def run_batch(env: BenchEnv, batch: int, prompt_len: int, decode_len: int, seed: int) -> dict:
-    """Prefill `batch` prompts in one step, then decode to the end; times in seconds."""
+@dataclass
+class BatchRun:
+    """One batch size's engine, once its prompts are prefilled, and its decode steps' times."""
+    batch: int
+    engine: LLMEngine
+    ttft: float
+    steps: list[float] = field(default_factory=list)
 
+
+def start_batch(env: BenchEnv, batch: int, prompt_len: int, decode_len: int, seed: int) -> BatchRun:
+    """`batch` prompts prefilled in one step (its time: the TTFT)."""
     rl = env.roofline
     total = prompt_len + decode_len
     engine = LLMEngine(env.loaded, EngineConfig(
@@ -90,7 +101,6 @@ def run_batch(env: BenchEnv, batch: int, prompt_len: int, decode_len: int, seed:
         block_size=BLOCK_SIZE, max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len,
         attention_backend=env.args.attention_backend, kv_cache_dtype=env.args.kv_cache_dtype))
     params = SamplingParams(temperature=0.0, max_tokens=decode_len, ignore_eos=True)
-    reset_peak_memory(env.device)
     for i, prompt in enumerate(batch_prompts(env, batch, prompt_len, seed)):
         engine.add_request(str(i), prompt, params)
     progress(f"batch {batch}: prefill {batch} x {prompt_len} tokens ...")
@@ -101,19 +111,53 @@ def run_batch(env: BenchEnv, batch: int, prompt_len: int, decode_len: int, seed:
     ttft = time.perf_counter() - t0
     if engine.last_step_tokens != batch * prompt_len:
         raise NanoinferError(f"batch {batch}: the prefill took more than one step (KV pool or budget too small)")
-    steps: list[float] = []
-    while engine.has_unfinished():
-        t0 = time.perf_counter()
-        engine.step()
-        sync(env.device)
-        steps.append(time.perf_counter() - t0)
-        progress(f"batch {batch}: decode step {len(steps)}/{decode_len - 1}", throttle=True)
+    return BatchRun(batch, engine, ttft)
+
+
+def decode_step(env: BenchEnv, run: BatchRun, decode_len: int) -> None:
+    t0 = time.perf_counter()
+    run.engine.step()
+    sync(env.device)
+    run.steps.append(time.perf_counter() - t0)
+    progress(f"batch {run.batch}: decode step {len(run.steps)}/{decode_len - 1}", throttle=True)
+
+
+def run_batch(env: BenchEnv, batch: int, prompt_len: int, decode_len: int, seed: int) -> dict:
+    """Prefill `batch` prompts in one step, then decode to the end; times in seconds."""
+    reset_peak_memory(env.device)
+    run = start_batch(env, batch, prompt_len, decode_len, seed)
+    while run.engine.has_unfinished():
+        decode_step(env, run, decode_len)
     progress_done()
-    generated = [len(engine.release(str(i)).outputs[0].token_ids) for i in range(batch)]
+    return batch_result(env, run, prompt_len, decode_len, peak_memory_bytes(env.device))
+
+
+def run_interleaved(env: BenchEnv, batches: list[int], prompt_len: int, decode_len: int, seed: int) -> list[dict]:
+    """Every batch size prefilled, then one decode step of each in turn (the order reversed each
+    round), so that every TPOT is timed over the same stretch: on a machine whose speed drifts
+    (a shared host's memory, say) the ratios between batch sizes hold, where runs one after
+    another compare different moments. Peak memory is then the whole run's."""
+    reset_peak_memory(env.device)
+    runs = [start_batch(env, b, prompt_len, decode_len, seed) for b in batches]
+    round_ = 0
+    while any(r.engine.has_unfinished() for r in runs):
+        for run in runs if round_ % 2 == 0 else runs[::-1]:
+            if run.engine.has_unfinished():
+                decode_step(env, run, decode_len)
+        round_ += 1
+    progress_done()
     memory = peak_memory_bytes(env.device)
-    del engine
+    return [batch_result(env, r, prompt_len, decode_len, memory) for r in runs]
+
+
+def batch_result(env: BenchEnv, run: BatchRun, prompt_len: int, decode_len: int, memory: int) -> dict:
+    """A finished run's figures against the roofline (its engine is let go)."""
+    batch, ttft, steps = run.batch, run.ttft, run.steps
+    generated = [len(run.engine.release(str(i)).outputs[0].token_ids) for i in range(batch)]
+    run.engine = None
     gc.collect()
 
+    rl = env.roofline
     mid = prompt_len + decode_len // 2
     tpot = median(steps)
     prefill_flops = rl.prefill_flops(batch, prompt_len)
@@ -281,6 +325,9 @@ def run(args: argparse.Namespace) -> int:
         raise NanoinferError("--decode-len must be >= 2 (the first token comes from the prefill)")
     if getattr(args, "speculative", None) and compare:
         raise NanoinferError("--speculative and --compare are separate runs: give one")
+    if getattr(args, "interleave", False) and (len(batch_sizes) < 2 or getattr(args, "speculative", None)):
+        raise NanoinferError("--interleave takes turns between several --batch-sizes: give two or more "
+                             "(and no --speculative)")
     plot = plot_path(args)
     runs = getattr(args, "runs", 3)
     if compare:
@@ -311,9 +358,10 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "speculative_config", None) is not None:
         raise NanoinferError("--speculative-config on bench latency goes with --speculative METHOD")
     warm_up(env)
-    results = []
-    for b in batch_sizes:
-        results.append(run_batch(env, b, prompt_len, decode_len, args.seed))
+    if getattr(args, "interleave", False):
+        results = run_interleaved(env, batch_sizes, prompt_len, decode_len, args.seed)
+    else:
+        results = [run_batch(env, b, prompt_len, decode_len, args.seed) for b in batch_sizes]
     print(f"prompt {prompt_len} tokens, decode {decode_len} tokens; TPOT = median decode step; "
           f"MBU/MFU at context {mid}")
     rows = [[str(r["batch_size"]), f"{r['ttft_s'] * 1e3:.1f}", f"{r['prefill_tok_s']:.1f}", fmt_pct(r["prefill_mfu"]),
@@ -323,13 +371,18 @@ def run(args: argparse.Namespace) -> int:
                  "peak mem"], rows)
     if env.device.type == "cpu":
         print("(peak mem: the process's RSS high-water mark so far, model included)")
+    if getattr(args, "interleave", False):
+        first = results[0]
+        print(f"decode steps taken in turn; TPOT against batch {first['batch_size']}: "
+              + ", ".join(f"batch {r['batch_size']} {r['tpot_s'] / first['tpot_s']:.2f}x" for r in results[1:]))
     comparisons = compare_files(env, args, python, version, prompt_lens, decode_len, runs) if compare else []
     if plot:
         from .plots import plot_roofline
         plot_roofline(plot, env.peaks.flops, env.peaks.bandwidth, results,
                       title=f"{env.loaded.path.name}, {env.dtype}, {env.peaks.device_name}")
         print(f"roofline plot: {plot}")
-    doc = {**run_meta(env, "latency"), "card": card, "results": results, "plot": plot}
+    doc = {**run_meta(env, "latency"), "card": card, "results": results, "plot": plot,
+           "interleaved": bool(getattr(args, "interleave", False))}
     if comparisons:
         doc["compare"] = comparisons[0]
     if len(comparisons) > 1:

@@ -3,11 +3,12 @@ tasks where the output copies its input and on one where it does not.
 
 The tasks are chat prompts built from text the package ships, so every install runs the same
 ones: rewrite a source file of this package with one function renamed (input-grounded: the
-answer repeats the file), quote a paragraph of a document made of this package's module
-docstrings (input-grounded), and write a short story (lookup rarely right). Each task runs
-greedy for `--decode-len` tokens, `--runs` times with speculation and without, alternating;
-decode tok/s is (tokens - 1) / (time from the first token to the last), the medians are
-compared. Acceptance: accepted / proposed guesses, and tokens per verifying step."""
+answer repeats the file), copy a paragraph of a document made of this package's module
+docstrings (input-grounded: its longest paragraph, named by its first words), and write a
+short story (lookup rarely right). Each task runs greedy for `--decode-len` tokens, `--runs`
+times with speculation and without, alternating; decode tok/s is (tokens - 1) / (time from
+the first token to the last), the medians are compared. Acceptance: accepted / proposed
+guesses, and tokens per verifying step."""
 from __future__ import annotations
 
 import argparse
@@ -38,11 +39,16 @@ def tasks() -> dict[str, tuple[str, str, str]]:
 
     code = inspect.getsource(proposer)
     document = "\n\n".join(inspect.getdoc(m) or "" for m in (core, kv_manager, scheduler, sampling))
+    # The paragraph to quote is named by its first words, and is the document's longest, so that
+    # the task stays a whole paragraph's copy as the docstrings change. (Named by its subject, it
+    # came to be a one-sentence answer: once the docstring it meant was rewritten, Qwen2.5-Coder
+    # 1.5B quoted a 15-token sentence of another paragraph.)
+    opening = " ".join(max(document.split("\n\n"), key=len).split()[:3])
     return {
         "code-edit": ("Rewrite this Python file, renaming the method `propose_many` to `guess_many`. "
                       "Output only the code.\n\n", code, ""),
-        "doc-quote": ("", document, "\n\nQuote, word for word, the paragraph of the text above that explains how "
-                                    "blocks are reference counted."),
+        "doc-quote": ("", document, f"\n\nCopy, word for word and in full, the paragraph of the text above that begins "
+                                    f"with \"{opening}\"."),
         "free": ("Write a short story about a dragon who learns to bake bread.", "", ""),
     }
 
