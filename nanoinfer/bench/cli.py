@@ -71,7 +71,8 @@ def _add_commands(sub) -> None:
     lat.add_argument("--interleave", action="store_true",
                      help="prefill every batch size, then take one decode step of each in turn, so that each "
                           "TPOT is timed over the same stretch (ratios between batch sizes on a machine whose "
-                          "speed drifts); peak mem is then the whole run's")
+                          "speed drifts; each step then follows another batch size's, so a model that nearly "
+                          "fits the last-level cache runs slower than alone); peak mem is then the whole run's")
     lat.add_argument("--compare", default=None, choices=["llama.cpp"],
                      help="then batch 1 against llama.cpp on the same GGUF file, threads, prompt and lengths, "
                           "run in a subprocess of --llama-cpp-python")

@@ -136,7 +136,11 @@ def run_interleaved(env: BenchEnv, batches: list[int], prompt_len: int, decode_l
     """Every batch size prefilled, then one decode step of each in turn (the order reversed each
     round), so that every TPOT is timed over the same stretch: on a machine whose speed drifts
     (a shared host's memory, say) the ratios between batch sizes hold, where runs one after
-    another compare different moments. Peak memory is then the whole run's."""
+    another compare different moments. But each step then follows another batch size's, whose
+    weights and KV rows have passed through the caches: where the weights come near the
+    last-level cache, every step runs slower than alone (SmolLM2-135M's 96 MB against a 32 MiB
+    L3: batch 1 at 6.7-7.2 ms a step, 4.8-5.6 alone), so it is for ratios on models well past
+    the cache. Peak memory is then the whole run's."""
     reset_peak_memory(env.device)
     runs = [start_batch(env, b, prompt_len, decode_len, seed) for b in batches]
     round_ = 0
