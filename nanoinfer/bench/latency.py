@@ -329,7 +329,8 @@ def run(args: argparse.Namespace) -> int:
         raise NanoinferError("--decode-len must be >= 2 (the first token comes from the prefill)")
     if getattr(args, "speculative", None) and compare:
         raise NanoinferError("--speculative and --compare are separate runs: give one")
-    if getattr(args, "interleave", False) and (len(batch_sizes) < 2 or getattr(args, "speculative", None)):
+    interleave = getattr(args, "interleave", False)
+    if interleave and (len(batch_sizes) < 2 or getattr(args, "speculative", None)):
         raise NanoinferError("--interleave takes turns between several --batch-sizes: give two or more "
                              "(and no --speculative)")
     plot = plot_path(args)
@@ -362,7 +363,7 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "speculative_config", None) is not None:
         raise NanoinferError("--speculative-config on bench latency goes with --speculative METHOD")
     warm_up(env)
-    if getattr(args, "interleave", False):
+    if interleave:
         results = run_interleaved(env, batch_sizes, prompt_len, decode_len, args.seed)
     else:
         results = [run_batch(env, b, prompt_len, decode_len, args.seed) for b in batch_sizes]
@@ -375,7 +376,7 @@ def run(args: argparse.Namespace) -> int:
                  "peak mem"], rows)
     if env.device.type == "cpu":
         print("(peak mem: the process's RSS high-water mark so far, model included)")
-    if getattr(args, "interleave", False):
+    if interleave:
         first = results[0]
         print(f"decode steps taken in turn; TPOT against batch {first['batch_size']}: "
               + ", ".join(f"batch {r['batch_size']} {r['tpot_s'] / first['tpot_s']:.2f}x" for r in results[1:]))
@@ -386,7 +387,7 @@ def run(args: argparse.Namespace) -> int:
                       title=f"{env.loaded.path.name}, {env.dtype}, {env.peaks.device_name}")
         print(f"roofline plot: {plot}")
     doc = {**run_meta(env, "latency"), "card": card, "results": results, "plot": plot,
-           "interleaved": bool(getattr(args, "interleave", False))}
+           "interleaved": bool(interleave)}
     if comparisons:
         doc["compare"] = comparisons[0]
     if len(comparisons) > 1:

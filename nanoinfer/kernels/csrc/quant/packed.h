@@ -125,10 +125,19 @@ inline void q6_store_values(const uint8_t* q, uint8_t* b) {
                 b[128 + 32 * h + l] |= uint8_t((v >> 4) << (2 * t));
             }
 }
-// Byte 4j + k of the grouped values' vector (h, v, c), from row j's 256 values.
+// The byte offset in a group block of the grouped values' vector (h, v, c).
+constexpr int q6_vector(int h, int v, int c) { return 32 * (3 * (8 * h + v) + c); }
+// Byte 4j + k of vector (h, v, c), from row j's 256 values q ...
 inline uint8_t q6_group_byte(const uint8_t* q, int h, int v, int c, int k) {
     const int i = 128 * h + 4 * v + k;
     return uint8_t(q[i + 32 * c] | ((q[i + 96] >> (2 * c)) & 3) << 6);
+}
+// ... and back: that byte's share of row j's values (q zeroed first: the fourth value's bits
+// come from three bytes).
+inline void q6_ungroup_byte(uint8_t byte, int h, int v, int c, int k, uint8_t* q) {
+    const int i = 128 * h + 4 * v + k;
+    q[i + 32 * c] = byte & 63;
+    q[i + 96] |= uint8_t((byte >> 6) << (2 * c));
 }
 
 // Row j's bytes [from, from + 4 * vectors) as `vectors` vectors of 4 bytes per row, at out.
@@ -150,7 +159,7 @@ void packk(const uint8_t* const* blocks, uint8_t* out) {
             for (int h = 0; h < 2; h++)
                 for (int v = 0; v < 8; v++)
                     for (int c = 0; c < 3; c++)
-                        for (int k = 0; k < 4; k++) out[32 * (3 * (8 * h + v) + c) + 4 * j + k] = q6_group_byte(q, h, v, c, k);
+                        for (int k = 0; k < 4; k++) out[q6_vector(h, v, c) + 4 * j + k] = q6_group_byte(q, h, v, c, k);
         }
         interleave4(blocks, 192, 4, out + L::q6_sc);
         for (int j = 0; j < kGroup; j++) std::memcpy(out + L::q6_d + 2 * j, blocks[j] + 208, 2);
@@ -173,12 +182,7 @@ void unpackk(const uint8_t* g, int j, uint8_t* out) {
         for (int h = 0; h < 2; h++)
             for (int v = 0; v < 8; v++)
                 for (int c = 0; c < 3; c++)
-                    for (int k = 0; k < 4; k++) {
-                        const uint8_t byte = g[32 * (3 * (8 * h + v) + c) + 4 * j + k];
-                        const int i = 128 * h + 4 * v + k;
-                        q[i + 32 * c] = byte & 63;
-                        q[i + 96] |= uint8_t((byte >> 6) << (2 * c));
-                    }
+                    for (int k = 0; k < 4; k++) q6_ungroup_byte(g[q6_vector(h, v, c) + 4 * j + k], h, v, c, k, q);
         q6_store_values(q, out);
         deinterleave4(g + L::q6_sc, j, 4, out, 192);
         std::memcpy(out + 208, g + L::q6_d + 2 * j, 2);

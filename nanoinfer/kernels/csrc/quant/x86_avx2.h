@@ -285,7 +285,7 @@ struct Q6Scales {
 // t < 3 the low 6 bits of vector (h, v, t), for t = 3 the top 2 bits of the three vectors
 // (16-bit shifts; the masks drop what crosses from the neighbouring byte).
 QG_AVX2 inline __m256i q6_weights(const uint8_t* gb, int h, int t, int v) {
-    const __m256i* p = reinterpret_cast<const __m256i*>(gb + 32 * 3 * (8 * h + v));
+    const __m256i* p = reinterpret_cast<const __m256i*>(gb + q6_vector(h, v, 0));
     if (t < 3) return _mm256_and_si256(_mm256_loadu_si256(p + t), _mm256_set1_epi8(63));
     const __m256i b01 = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256(p), 6), _mm256_set1_epi8(3));
     const __m256i b23 = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256(p + 1), 4), _mm256_set1_epi8(12));

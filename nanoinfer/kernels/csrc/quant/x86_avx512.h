@@ -136,11 +136,10 @@ QG_AVX512 inline VecI<G> k_weights_of(const uint8_t* const* gb, int j, int v) {
 }
 template <int G>
 QG_AVX512 inline VecI<G> q6_weights_of(const uint8_t* const* gb, int h, int t, int v) {
-    const int at = 32 * 3 * (8 * h + v);
-    if (t < 3) return v_and(load_groups<G>(gb, at + 32 * t), bytes_of<G>(63));
-    const VecI<G> b01 = v_and(v_srli16(load_groups<G>(gb, at), 6), bytes_of<G>(3));
-    const VecI<G> b23 = v_and(v_srli16(load_groups<G>(gb, at + 32), 4), bytes_of<G>(12));
-    const VecI<G> b45 = v_and(v_srli16(load_groups<G>(gb, at + 64), 2), bytes_of<G>(48));
+    if (t < 3) return v_and(load_groups<G>(gb, q6_vector(h, v, t)), bytes_of<G>(63));
+    const VecI<G> b01 = v_and(v_srli16(load_groups<G>(gb, q6_vector(h, v, 0)), 6), bytes_of<G>(3));
+    const VecI<G> b23 = v_and(v_srli16(load_groups<G>(gb, q6_vector(h, v, 1)), 4), bytes_of<G>(12));
+    const VecI<G> b45 = v_and(v_srli16(load_groups<G>(gb, q6_vector(h, v, 2)), 2), bytes_of<G>(48));
     return v_or(v_or(b01, b23), b45);
 }
 
