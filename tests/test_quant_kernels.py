@@ -231,7 +231,7 @@ def test_paths_agree_bit_for_bit(qtype):
     w = torch.from_numpy(make_weights(qtype, N, K, seed=4))
     layouts = [(w, False)] + ([(layout(w, qtype, K, True), True)] if qtype in REPACKABLE else [])
     x = torch.randn(17, K, generator=torch.Generator().manual_seed(5))
-    for M in (1, 5, 17):  # the decode tiles (one x row against 4 or 8 weight rows) and the batched ones
+    for M in (1, 5, 7, 17):  # the decode tiles (one x row against 4 or 8 weight rows), one-pass 5 to 8 rows, the batched ones
         outs = [y for _, _, y in on_every_path(x[:M].contiguous(), layouts, qtype)]
         for y in outs[1:]:
             assert torch.equal(bits(y), bits(outs[0])), f"M={M}"
