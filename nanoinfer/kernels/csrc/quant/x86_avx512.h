@@ -349,8 +349,8 @@ QG_AVX512 inline void add_scaled_one(VecI<G>* isum, const VecI<G>* p, const Scal
 
 // Which K-quant tiles of 5 to 8 rows take groupk_tall_avx512: Q4_K's on 512-bit vectors. On a
 // 2-vCPU Zen 4, a forward of 5 rows of one sequence of Qwen2.5-Coder 1.5B Q4_K_M (speculation
-// checking 4 guesses) cost 1.39-1.45x a 4-row one with a 4-row tile and a 1-row tile, 1.14-1.28x
-// with one 5-row pass; 8 rows 1.70-1.93x, 1.54-1.75x. On 256-bit vectors the one-pass tile made
+// checking 4 guesses) cost 1.36-1.40x a 4-row one with a 4-row tile and a 1-row tile, 1.28-1.29x
+// with one 5-row pass; 8 rows 1.78-1.83x, 1.64-1.73x (docs/benchmarks.md, the seventh Zen 4 section). On 256-bit vectors the one-pass tile made
 // the step slower (6 rows: 1.3-1.5x), and a one-pass Q6_K tile did on either.
 template <int T, int G>
 constexpr bool kTallTile = T == Q4_K && G == 2;
