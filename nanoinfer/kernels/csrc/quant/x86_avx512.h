@@ -248,6 +248,19 @@ QG_AVX512 inline void add_scaled_pair(VecI<G>* isum, const VecI<G>* p0, const Ve
     }
 }
 
+// Q4_K, Q5_K: acc[i] minus dmin * d_x * row i's sum_j m_j * (the sum of x over sub-block j),
+// for G groups (k_min_sums' integers).
+template <int G, int R>
+QG_AVX512 inline void sub_k_mins(VecF<G>* acc, const KScales* ks, const KActs<R>& x, int64_t b, const uint8_t* const* gb) {
+    __m256i ms[G][R], part[G];
+    for (int k = 0; k < G; k++) k_min_sums(ks[k], x, b, ms[k]);
+    const VecF<G> dmv = halves_of<G>(gb, 16);
+    for (int i = 0; i < R; i++) {
+        for (int k = 0; k < G; k++) part[k] = ms[k][i];
+        acc[i] = v_fnma(acc[i], dmv, x.xd[i] + b, join<G>(part));
+    }
+}
+
 // K-quants in the repacked layout with vpdpbusd: groupk_avx2's outputs for G groups (rows n ..
 // n + 8G - 1). Each lane sums a sub-block's 32 (Q6_K: a group's 16) products u8 x s8 straight
 // into int32, with no int16 partial sums, and vpmulld by the row's scale makes the integer that
@@ -304,15 +317,7 @@ QG_AVX512 void groupk_avx512(const Ctx& c, int64_t n, int64_t m0) {
         } else {
             KScales ks[G];
             for (int k = 0; k < G; k++) ks[k] = KScales(gb[k] + L::sc);
-            {  // the mins first
-                __m256i ms[G][R];
-                for (int k = 0; k < G; k++) k_min_sums(ks[k], x, b, ms[k]);
-                const F dmv = halves_of<G>(gb, 16);
-                for (int i = 0; i < R; i++) {
-                    for (int k = 0; k < G; k++) part[k] = ms[k][i];
-                    acc[i] = v_fnma(acc[i], dmv, x.xd[i] + b, join<G>(part));
-                }
-            }
+            sub_k_mins<G, R>(acc, ks, x, b, gb);  // the mins first
 #pragma GCC unroll 4
             for (int j = 0; j < 8; j += 2) {  // sub-block j: the low nibbles of 32 bytes a row, j + 1: their high ones
                 I p0[R], p1[R];
@@ -376,15 +381,7 @@ QG_AVX512 void groupk_tall_avx512(const Ctx& c, int64_t n, int64_t m0) {
         for (int i = 0; i < R; i++) xb[i] = x.xq[i] + b * QK;
         KScales ks[G];
         for (int k = 0; k < G; k++) ks[k] = KScales(gb[k] + L::sc);
-        {  // the mins first
-            __m256i ms[G][R], part[G];
-            for (int k = 0; k < G; k++) k_min_sums(ks[k], x, b, ms[k]);
-            const F dmv = halves_of<G>(gb, 16);
-            for (int i = 0; i < R; i++) {
-                for (int k = 0; k < G; k++) part[k] = ms[k][i];
-                acc[i] = v_fnma(acc[i], dmv, x.xd[i] + b, join<G>(part));
-            }
-        }
+        sub_k_mins<G, R>(acc, ks, x, b, gb);  // the mins first
         I isum[R];
         for (int i = 0; i < R; i++) isum[i] = I{};
         for (int j = 0; j < 8; j++) {  // sub-block j: the low (j even) or high nibbles of 32 bytes a row
