@@ -376,6 +376,41 @@ def test_bench_linears_by_shape(q8_block_file, capsys):
         assert f"Q8_0 {shape[0]}x{shape[1]}" in out
 
 
+def test_bench_verify(make_hf_model, capsys, monkeypatch):
+    """Forwards of R rows of the one prefilled sequence at the position after its prompt (its
+    token and R - 1 guesses), each row count in turn, the order reversed each round; the
+    table's figures are the JSON's."""
+    from nanoinfer.engine.runner import ModelRunner
+
+    _, path = make_hf_model("llama")
+    forwards = []
+    real_run = ModelRunner.run
+
+    def logged_run(self, batch):
+        seq = batch.seqs[0]
+        forwards.append((len(batch.seqs), batch.num_tokens[0], seq.kv.num_computed, len(seq.spec.tokens)))
+        return real_run(self, batch)
+
+    monkeypatch.setattr(ModelRunner, "run", logged_run)
+    doc, out = run_bench(capsys, ["verify", "--model", str(path), "--rows", "1,3", "--prompt-len", "20",
+                                  "--rounds", "3"])
+    assert_meta(doc, "verify")
+    assert doc["prompt_len"] == 20 and doc["rounds"] == 3
+    assert forwards[0] == (1, 20, 0, 0)  # the prefill, then the timed forwards
+    assert forwards[1:] == [(1, r, 20, r - 1) for r in (1, 3, 3, 1, 1, 3)]
+    assert [r["rows"] for r in doc["results"]] == [1, 3]
+    for r in doc["results"]:
+        assert len(r["seconds_all"]) == 3 and r["seconds"] == sorted(r["seconds_all"])[1]
+    assert doc["results"][0]["vs_first"] == 1.0
+    assert f"{doc['results'][1]['vs_first']:.2f}x" in out
+
+
+def test_bench_verify_past_the_context(make_hf_model, capsys):
+    _, path = make_hf_model("llama")
+    assert main(["verify", "--model", str(path), "--prompt-len", "100000", "--rows", "1,4"]) == 1
+    assert "passes the model's context" in capsys.readouterr().err
+
+
 def test_bench_linears_needs_block_weights(make_hf_model, capsys):
     _, path = make_hf_model("llama")  # a Hugging Face folder: float32 weights, no blocks
     assert main(["linears", "--model", str(path), "--runs", "1"]) == 1
@@ -390,6 +425,9 @@ def test_bench_linears_needs_block_weights(make_hf_model, capsys):
     (["linears", "--runs", "0"], "--runs"),
     (["throughput", "--min-input-len", "9", "--max-input-len", "3"], "min <= max"),
     (["loop", "--plot", "out.jpg"], ".png"),
+    (["verify", "--rows", "2,0"], "--rows"),
+    (["verify", "--rounds", "0"], "--rounds"),
+    (["verify", "--prompt-len", "0"], "--prompt-len"),
 ])
 def test_bad_arguments_are_one_line_errors(argv, message, capsys):
     # checked before any model loads

@@ -9,13 +9,14 @@ import argparse
 from ..cli_args import KV_CACHE_DTYPES, add_engine_args, add_model_args, add_speculative_arg, run_command
 
 
-def _common(p: argparse.ArgumentParser, peaks: bool = False) -> None:
+def _common(p: argparse.ArgumentParser, peaks: bool = False, plot: bool = True) -> None:
     # the dtype is picked once the device is known (common.setup)
     add_model_args(p, dtype=None, dtype_rule="bfloat16 on CUDA, float32 on CPU", max_model_len=False, device=None,
                    threads=False)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
-    p.add_argument("--plot", default=None, metavar="FILE.png", help="also draw a plot")
+    if plot:
+        p.add_argument("--plot", default=None, metavar="FILE.png", help="also draw a plot")
     if peaks:  # only latency relates figures to the hardware's peaks
         p.add_argument("--peak-flops", type=float, default=None, help="peak FLOP/s (default: GPU table or CPU probe)")
         p.add_argument("--peak-bandwidth", type=float, default=None,
@@ -55,6 +56,11 @@ def _sampler(a: argparse.Namespace) -> int:
 
 def _linears(a: argparse.Namespace) -> int:
     from .linears import run
+    return run(a)
+
+
+def _verify(a: argparse.Namespace) -> int:
+    from .verify import run
     return run(a)
 
 
@@ -197,6 +203,15 @@ def _add_commands(sub) -> None:
     lin.add_argument("--by", default="type", choices=["type", "shape"],
                      help="one line per block type, or per type and weight shape (N x K) (default type)")
     lin.set_defaults(func=_linears)
+    ver = sub.add_parser("verify", help="a forward's time by its rows of one sequence: what checking guesses costs",
+                         description="One prompt prefilled, then forwards of R rows at the next position (its token "
+                                     "and R - 1 made-up guesses, as speculation checks them), each R in turn; "
+                                     "medians, each against the first R.")
+    _common(ver, plot=False)
+    ver.add_argument("--rows", default="1,4,5,8", help="rows per forward, comma-separated (default 1,4,5,8)")
+    ver.add_argument("--prompt-len", type=int, default=512, help="tokens before the rows (default 512)")
+    ver.add_argument("--rounds", type=int, default=20, help="forwards of each row count (default 20)")
+    ver.set_defaults(func=_verify)
 
 
 DESCRIPTION = ("Benchmarks. Tables on stdout, progress on stderr; the last stdout line is one JSON document "
@@ -204,8 +219,8 @@ DESCRIPTION = ("Benchmarks. Tables on stdout, progress on stderr; the last stdou
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
-    """Add `bench {latency,throughput,loop,serve,soak,sampler,linears}` to a CLI's subparsers."""
-    bench = subparsers.add_parser("bench", help="benchmarks: latency, throughput, loop, serve, soak, sampler, linears",
+    """Add `bench {latency,throughput,loop,serve,soak,sampler,linears,verify}` to a CLI's subparsers."""
+    bench = subparsers.add_parser("bench", help="benchmarks: latency, throughput, loop, serve, soak, sampler, linears, verify",
                                   description=DESCRIPTION)
     _add_commands(bench.add_subparsers(dest="bench_command", required=True))
     return bench
