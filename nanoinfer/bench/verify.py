@@ -20,13 +20,25 @@ from ..engine import EngineConfig, LLMEngine
 from ..engine.batch import ScheduledBatch
 from ..errors import NanoinferError
 from ..sampling import SamplingParams
-from .common import emit_json, median, parse_counts, print_table, progress, progress_done, random_prompt, run_meta, setup, sync
+from .common import (
+    emit_json,
+    kv_pool_bytes,
+    median,
+    parse_counts,
+    print_table,
+    progress,
+    progress_done,
+    random_prompt,
+    run_meta,
+    setup,
+    sync,
+)
 
 BLOCK_SIZE = 16
 
 
 def run(a: argparse.Namespace) -> int:
-    rows = parse_counts(a.rows, "--rows", "1,4,5,8")
+    rows = list(dict.fromkeys(parse_counts(a.rows, "--rows", "1,4,5,8")))  # each row count once, in order
     if a.prompt_len < 1:
         raise NanoinferError("--prompt-len must be >= 1")
     if a.rounds < 1:
@@ -36,14 +48,18 @@ def run(a: argparse.Namespace) -> int:
     if a.prompt_len + max(rows) > config.max_position_embeddings:
         raise NanoinferError(f"--prompt-len {a.prompt_len} plus {max(rows)} rows passes the model's context "
                              f"({config.max_position_embeddings})")
-    engine = LLMEngine(env.loaded, EngineConfig(max_model_len=a.prompt_len + max(rows) + 1, max_num_seqs=1,
-                                                max_num_batched_tokens=a.prompt_len, block_size=BLOCK_SIZE))
+    length = a.prompt_len + max(rows)
+    engine = LLMEngine(env.loaded, EngineConfig(max_model_len=length + 1, max_num_seqs=1,
+                                                max_num_batched_tokens=a.prompt_len, block_size=BLOCK_SIZE,
+                                                kv_cache_memory=kv_pool_bytes(env.roofline, [length], BLOCK_SIZE)))
     rng = random.Random(a.seed)
     engine.add_request("verify", random_prompt(rng, a.prompt_len, config.vocab_size),
                        SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     progress(f"prefilling {a.prompt_len} tokens ...")
-    engine.step()  # the whole prompt in one step: max_num_batched_tokens is its length
-    seq = engine.scheduler.running[0]
+    seq = None
+    while seq is None or seq.kv.num_computed < a.prompt_len:  # then it has sampled its next token
+        engine.step()
+        seq = engine.scheduler.running[0]
     if not engine.scheduler.blocks.allocate_slots(seq.kv, max(rows)):
         raise NanoinferError("bench verify: the KV pool has no room for the rows")
     guesses = random_prompt(rng, max(rows) - 1, config.vocab_size)
