@@ -22,6 +22,9 @@ from ..models.builder import LoadedModel
 from .peaks import Peaks, cpu_model, device_name, peaks_dict, resolve_peaks
 from .roofline import Roofline
 
+# Every bench's engines page their KV cache in blocks of this many tokens.
+BLOCK_SIZE = 16
+
 
 def on_gpu(args: argparse.Namespace) -> bool:
     """Whether the run will be on a GPU: defaults are sized per device before loading."""

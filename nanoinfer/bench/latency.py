@@ -29,6 +29,7 @@ from ..engine import EngineConfig, LLMEngine
 from ..errors import NanoinferError
 from ..sampling import SamplingParams
 from .common import (
+    BLOCK_SIZE,
     BenchEnv,
     emit_json,
     fmt_bytes,
@@ -51,8 +52,6 @@ from .common import (
 )
 from .llama_cpp import ENGINE, check_python, resolve_python, run_llama_cpp
 from .peaks import cpu_model
-
-BLOCK_SIZE = 16
 
 
 def print_card(env: BenchEnv, card: dict) -> None:

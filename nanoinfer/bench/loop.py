@@ -24,6 +24,7 @@ from ..models.batch import ForwardBatch
 from ..reference import generate_uncached
 from ..sampling import SamplingParams
 from .common import (
+    BLOCK_SIZE,
     BenchEnv,
     emit_json,
     kv_pool_bytes,
@@ -38,8 +39,6 @@ from .common import (
     setup,
     sync,
 )
-
-BLOCK_SIZE = 16
 
 
 class _OnDevice(torch.nn.Module):

@@ -30,6 +30,7 @@ from ..engine import EngineConfig, LLMEngine
 from ..errors import NanoinferError
 from ..sampling import SamplingParams, StructuredOutputsParams
 from .common import (
+    BLOCK_SIZE,
     BenchEnv,
     emit_json,
     fmt_bytes,
@@ -47,7 +48,6 @@ from .common import (
     sync,
 )
 
-BLOCK_SIZE = 16
 # At least 64 records: no output can close its JSON before its length (128 tokens at most by default).
 BENCH_SCHEMA = {"type": "array", "minItems": 64, "items": {"type": "object", "properties": {
     "id": {"type": "integer"}, "name": {"type": "string"}, "score": {"type": "number"},

@@ -21,6 +21,7 @@ from ..engine.batch import ScheduledBatch
 from ..errors import NanoinferError
 from ..sampling import SamplingParams
 from .common import (
+    BLOCK_SIZE,
     emit_json,
     kv_pool_bytes,
     median,
@@ -33,8 +34,6 @@ from .common import (
     setup,
     sync,
 )
-
-BLOCK_SIZE = 16
 
 
 def run(a: argparse.Namespace) -> int:
