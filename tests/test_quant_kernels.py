@@ -34,7 +34,7 @@ TYPES = list(quant.QUANT_TYPES)
 K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
 FLOATS = (T.F32, T.F16, T.BF16)  # one value a block, fp32 activations
 WITH_MIN = {T.Q4_1: 2, T.Q5_1: 2, T.Q4_K: 2, T.Q5_K: 2}  # byte offset of the fp16 min (dmin) in a block
-MS = (1, 2, 3, 5, 8, 17, 64)
+MS = (1, 2, 3, 5, 6, 8, 17, 64)  # 5 and 6: the AVX2 path's one-pass tiles; 17: 8 + 8 + 1
 REPACKABLE = [t for t in TYPES if quant.RECORDS[t].interleave > 1]
 CASES = [(t, False) for t in TYPES] + [(t, True) for t in REPACKABLE]  # (type, repacked)
 
@@ -231,7 +231,7 @@ def test_paths_agree_bit_for_bit(qtype):
     w = torch.from_numpy(make_weights(qtype, N, K, seed=4))
     layouts = [(w, False)] + ([(layout(w, qtype, K, True), True)] if qtype in REPACKABLE else [])
     x = torch.randn(17, K, generator=torch.Generator().manual_seed(5))
-    for M in (1, 5, 7, 17):  # the decode tiles (one x row against 4 or 8 weight rows), one-pass 5 to 8 rows, the batched ones
+    for M in (1, 5, 6, 7, 17):  # the decode tiles (one x row against 4 or 8 weight rows), one-pass 5 to 8 rows, the batched ones
         outs = [y for _, _, y in on_every_path(x[:M].contiguous(), layouts, qtype)]
         for y in outs[1:]:
             assert torch.equal(bits(y), bits(outs[0])), f"M={M}"

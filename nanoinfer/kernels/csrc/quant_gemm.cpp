@@ -51,8 +51,8 @@
 // pay for the threads (inside the decoder stack's team, always). Static halves left a thread
 // waiting at each linear's end whenever the other ran slower (2-vCPU hosts do, by turns).
 // Up to 8 rows of x, each weight row (a repacked group: 8 rows) is read once while every tile
-// of (up to 4) x rows takes it from L1; more rows of x: each tile of 4 sweeps a chunk of 16
-// weight rows kept in cache. The rows of a 32-value type left as stored (a weight's last
+// of x rows (up to 4-8, by path and type) takes it from L1; more rows of x: each tile sweeps a
+// chunk of 16 weight rows kept in cache. The rows of a 32-value type left as stored (a weight's last
 // N % 8, or a weight not repacked) run the portable dot.
 //
 // Layouts: x [M, K] fp32, w [N, row_bytes] uint8, bias [N] fp32 or null, y [M, N] fp32,
