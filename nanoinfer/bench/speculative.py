@@ -25,7 +25,9 @@ from .common import BenchEnv, median, print_table, progress, progress_done
 
 # k = 3: on a 2-core AVX2 CPU checking 3 guesses costs ~1.5 single-token steps, 4 guesses
 # ~2.5 (the block-format GEMV turns compute-bound past a few rows); measured on Qwen2.5-Coder
-# 1.5B Q4_K_M, code edit: 2.29x at k = 3, 2.14x at k = 2, 1.61x at k = 4.
+# 1.5B Q4_K_M, code edit: 2.29x at k = 3, 2.14x at k = 2, 1.61x at k = 4. Since the AVX2 tiles
+# take 5 rows in one pass, k = 4 there: code edit faster, document quote slower (docs/benchmarks.md,
+# the eighth Zen 4 section), so 3 stays.
 DEFAULT_CONFIGS = {"ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
                              "prompt_lookup_min": 2},
                    "draft_model": {"method": "draft_model", "num_speculative_tokens": 3}}
