@@ -458,10 +458,12 @@ QG_AVX2 void tile_avx2(const Ctx& c, int64_t n, int64_t m0) {
 // 117, Q4_0 10.9-11.2 / 12.7-13.2, Q4_1 11.0 / 12.8, Q8_0 19.8 / 20.8; 6 rows against 4 + 2: Q5_K
 // 121-128 (once 145) / 139-145, Q6_K 114-122 / 130-135, Q4_1 12.8-13.1 / 14.6-14.7, Q4_K 103-107 /
 // 105-106. Q5_0's tile (two chains of sums a row) spilled at 5 rows (21.3-22.0 against 20.9-21.1),
-// and Q5_1's and the floats' (two a row too) keep 4. At 7 rows one tile gains nothing (Q4_K 118
+// and Q5_1's (two a row too) keeps 4. The floats' tiles (two accumulators a row), ns per weight
+// row of 1536: 5 rows F32 224-230 against 242-255, F16 181-184 against 218-220, BF16 184-185
+// against 226-242; 6 rows F16 243-336 against 235-237. At 7 rows one tile gains nothing (Q4_K 118
 // against 4 + 3: 117).
 template <int T>
-constexpr int kTileRowsAvx2 = T == Q5_0 || T == Q5_1 || T == F32 || T == F16 || T == BF16 ? 4 : 6;
+constexpr int kTileRowsAvx2 = T == Q5_0 || T == Q5_1 ? 4 : T == F32 || T == F16 || T == BF16 ? 5 : 6;
 
 // The tile for `rows` rows (1 .. R).
 template <int T, bool PF, int R = kTileRowsAvx2<T>>
