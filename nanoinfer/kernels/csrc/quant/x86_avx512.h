@@ -406,9 +406,17 @@ QG_AVX512 void group_avx512(const Ctx& c, int64_t n, int64_t m0) {
     else groupk_avx512<T, R, PF, G>(c, n, m0);
 }
 
+// Which K-quant tiles take 5 and 6 rows in one tile of two chains a row (6 rows: 24 registers
+// of sums and accumulators): those on 512-bit vectors that kTallTile leaves, Q5_K's and Q6_K's.
+// One thread, weights in L2, ns per 8 weight rows x 256 values on a Zen 4, 5 rows against 4 + 1:
+// Q5_K 66 / 90, Q6_K 99-100 / 112; 6 rows against 4 + 2: Q5_K 78-79 / 97-98, Q6_K 112-113 / 123.
+// On 256-bit vectors Q6_K's ran slower that way (5 rows 101-103 against 96-98).
+template <int T, int G>
+constexpr bool kSixRowTile = block_values(T) == 256 && G == 2 && !kTallTile<T, G>;
+
 // The 32-value types' tiles take up to 8 rows (32 registers: 8 sums, 8 accumulators, the
 // weights); the K-quants' keep two chains of sums a row and take 4, but where kTallTile says
-// 5 to 8 rows go in one pass.
+// 5 to 8 rows go in one pass, and where kSixRowTile says 5 and 6 rows.
 template <int T, bool PF, int G>
 QG_AVX512 void groups_avx512(const Ctx& c, int64_t n, int64_t m0, int mt) {
     if constexpr (block_values(T) == 32) {
@@ -425,6 +433,12 @@ QG_AVX512 void groups_avx512(const Ctx& c, int64_t n, int64_t m0, int mt) {
             case 7: return groupk_tall_avx512<T, 7, PF, G>(c, n, m0);
             case 6: return groupk_tall_avx512<T, 6, PF, G>(c, n, m0);
             case 5: return groupk_tall_avx512<T, 5, PF, G>(c, n, m0);
+            default: break;
+        }
+    } else if constexpr (kSixRowTile<T, G>) {
+        switch (mt) {
+            case 6: return groupk_avx512<T, 6, PF, G>(c, n, m0);
+            case 5: return groupk_avx512<T, 5, PF, G>(c, n, m0);
             default: break;
         }
     }
