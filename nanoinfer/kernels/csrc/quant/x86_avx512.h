@@ -414,42 +414,26 @@ QG_AVX512 void group_avx512(const Ctx& c, int64_t n, int64_t m0) {
 template <int T, int G>
 constexpr bool kSixRowTile = block_values(T) == 256 && G == 2 && !kTallTile<T, G>;
 
-// The 32-value types' tiles take up to 8 rows (32 registers: 8 sums, 8 accumulators, the
-// weights); the K-quants' keep two chains of sums a row and take 4, but where kTallTile says
-// 5 to 8 rows go in one pass, and where kSixRowTile says 5 and 6 rows.
+// The most rows one tile takes: the 32-value types' 8 (32 registers: 8 sums, 8 accumulators, the
+// weights); the K-quants' keep two chains of sums a row and take 4, but kTallTile's take 5 to 8 in
+// one pass and kSixRowTile's 5 and 6.
+template <int T, int G>
+constexpr int kTileRowsAvx512 = block_values(T) == 32 || kTallTile<T, G> ? 8 : kSixRowTile<T, G> ? 6 : 4;
+
+// The tile for `rows` rows (1 .. R): the one-pass tile for 5 or more rows where kTallTile says.
+template <int T, bool PF, int G, int R = kTileRowsAvx512<T, G>>
+QG_AVX512 void tile_of_rows_avx512(const Ctx& c, int64_t n, int64_t m, int rows) {
+    if constexpr (R > 1)
+        if (rows < R) return tile_of_rows_avx512<T, PF, G, R - 1>(c, n, m, rows);
+    if constexpr (kTallTile<T, G> && R > 4) groupk_tall_avx512<T, R, PF, G>(c, n, m);
+    else group_avx512<T, R, PF, G>(c, n, m);
+}
+
+// Rows m0 .. m0 + mt - 1: one tile where kTileRowsAvx512 allows, else 4 rows at a time and the rest.
 template <int T, bool PF, int G>
 QG_AVX512 void groups_avx512(const Ctx& c, int64_t n, int64_t m0, int mt) {
-    if constexpr (block_values(T) == 32) {
-        switch (mt) {
-            case 8: return group_avx512<T, 8, PF, G>(c, n, m0);
-            case 7: return group_avx512<T, 7, PF, G>(c, n, m0);
-            case 6: return group_avx512<T, 6, PF, G>(c, n, m0);
-            case 5: return group_avx512<T, 5, PF, G>(c, n, m0);
-            default: break;
-        }
-    } else if constexpr (kTallTile<T, G>) {
-        switch (mt) {
-            case 8: return groupk_tall_avx512<T, 8, PF, G>(c, n, m0);
-            case 7: return groupk_tall_avx512<T, 7, PF, G>(c, n, m0);
-            case 6: return groupk_tall_avx512<T, 6, PF, G>(c, n, m0);
-            case 5: return groupk_tall_avx512<T, 5, PF, G>(c, n, m0);
-            default: break;
-        }
-    } else if constexpr (kSixRowTile<T, G>) {
-        switch (mt) {
-            case 6: return groupk_avx512<T, 6, PF, G>(c, n, m0);
-            case 5: return groupk_avx512<T, 5, PF, G>(c, n, m0);
-            default: break;
-        }
-    }
-    for (int64_t m = m0; m < m0 + mt; m += 4) {
-        switch (std::min<int64_t>(4, m0 + mt - m)) {
-            case 4: group_avx512<T, 4, PF, G>(c, n, m); break;
-            case 3: group_avx512<T, 3, PF, G>(c, n, m); break;
-            case 2: group_avx512<T, 2, PF, G>(c, n, m); break;
-            default: group_avx512<T, 1, PF, G>(c, n, m); break;
-        }
-    }
+    if (mt <= kTileRowsAvx512<T, G>) return tile_of_rows_avx512<T, PF, G>(c, n, m0, mt);
+    for (; mt > 0; m0 += 4, mt -= 4) tile_of_rows_avx512<T, PF, G>(c, n, m0, std::min(mt, 4));
 }
 
 // Where a CPU takes narrow tiles (kNarrowTileRows), a streamed Q6_K weight takes them at every
