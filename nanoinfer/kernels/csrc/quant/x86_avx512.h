@@ -261,6 +261,27 @@ QG_AVX512 inline void sub_k_mins(VecF<G>* acc, const KScales* ks, const KActs<R>
     }
 }
 
+// isum[i] += p[i] * scale j (each group's KScales scale32).
+template <int G, int R, class Scales>
+QG_AVX512 inline void add_scaled_one(VecI<G>* isum, const VecI<G>* p, const Scales* sc, int j) {
+    __m256i part[G];
+    for (int k = 0; k < G; k++) part[k] = sc[k].scale32(j);
+    const VecI<G> s = join<G>(part);
+    for (int i = 0; i < R; i++) {
+        isum[i] = v_add(isum[i], v_mullo(p[i], s));
+        asm("" : "+v"(isum[i]));
+    }
+}
+
+// Which K-quant tiles take 5 to 8 rows in one pass with one chain of sums a row: Q4_K's on
+// 512-bit vectors. On a 2-vCPU Zen 4, a forward of 5 rows of one sequence of Qwen2.5-Coder 1.5B
+// Q4_K_M (speculation checking 4 guesses) cost 1.36-1.40x a 4-row one with a 4-row tile and a
+// 1-row tile, 1.28-1.29x with one 5-row pass; 8 rows 1.78-1.83x, 1.64-1.73x (docs/benchmarks.md,
+// the seventh Zen 4 section). On 256-bit vectors the one-pass tile made the step slower (6 rows:
+// 1.3-1.5x), and a one-pass Q6_K tile did on either; Q5_K's gained 4% at 8 rows (weights in L2).
+template <int T, int G>
+constexpr bool kTallTile = T == Q4_K && G == 2;
+
 // K-quants in the repacked layout with vpdpbusd: groupk_avx2's outputs for G groups (rows n ..
 // n + 8G - 1). Each lane sums a sub-block's 32 (Q6_K: a group's 16) products u8 x s8 straight
 // into int32, with no int16 partial sums, and vpmulld by the row's scale makes the integer that
@@ -268,7 +289,10 @@ QG_AVX512 inline void sub_k_mins(VecF<G>* acc, const KScales* ks, const KActs<R>
 // the float steps are groupk_avx2's, lane by lane. So the paths agree bit for bit (the integer
 // sums in any order). A row keeps two chains of sums, the two sub-blocks (Q6_K: groups) that
 // one pass over a stretch of the weights' bytes meets, so each weight vector is unpacked once
-// and vpdpbusd's latency never leaves a one-row tile waiting on one chain.
+// and vpdpbusd's latency never leaves a one-row tile waiting on one chain; a kTallTile tile of
+// 5 to 8 rows keeps one (a sub-block at a time) so that all its rows' sums fit the registers, and
+// unpacks each weight vector once for every row where a 4-row tile and one for the rest would
+// unpack it twice. The integers are the same sums either way.
 template <int T, int R, bool PF, int G>
 QG_AVX512 void groupk_avx512(const Ctx& c, int64_t n, int64_t m0) {
     using L = PackedK<T>;
@@ -318,84 +342,37 @@ QG_AVX512 void groupk_avx512(const Ctx& c, int64_t n, int64_t m0) {
             KScales ks[G];
             for (int k = 0; k < G; k++) ks[k] = KScales(gb[k] + L::sc);
             sub_k_mins<G, R>(acc, ks, x, b, gb);  // the mins first
-#pragma GCC unroll 4
-            for (int j = 0; j < 8; j += 2) {  // sub-block j: the low nibbles of 32 bytes a row, j + 1: their high ones
-                I p0[R], p1[R];
-                for (int i = 0; i < R; i++) p0[i] = p1[i] = I{};
+            if constexpr (kTallTile<T, G> && R > 4) {
+                for (int j = 0; j < 8; j++) {  // sub-block j: the low (j even) or high nibbles of 32 bytes a row
+                    I p[R];
+                    for (int i = 0; i < R; i++) p[i] = I{};
 #pragma GCC unroll 8
-                for (int v = 0; v < 8; v++) {
-                    const I w0 = k_weights_of<T, G>(gb, j, v), w1 = k_weights_of<T, G>(gb, j + 1, v);
-                    for (int i = 0; i < R; i++) {
-                        const int8_t* xv = xb[i] + 32 * j + 4 * v;
-                        p0[i] = v_dot4(p0[i], w0, xv);
-                        p1[i] = v_dot4(p1[i], w1, xv + 32);
+                    for (int v = 0; v < 8; v++) {
+                        const I w = k_weights_of<T, G>(gb, j, v);
+                        for (int i = 0; i < R; i++) p[i] = v_dot4(p[i], w, xb[i] + 32 * j + 4 * v);
                     }
+                    add_scaled_one<G, R>(isum, p, ks, j);
                 }
-                add_scaled_pair<G, R>(isum, p0, p1, ks, j);
+            } else {
+#pragma GCC unroll 4
+                for (int j = 0; j < 8; j += 2) {  // sub-block j: the low nibbles of 32 bytes a row, j + 1: their high ones
+                    I p0[R], p1[R];
+                    for (int i = 0; i < R; i++) p0[i] = p1[i] = I{};
+#pragma GCC unroll 8
+                    for (int v = 0; v < 8; v++) {
+                        const I w0 = k_weights_of<T, G>(gb, j, v), w1 = k_weights_of<T, G>(gb, j + 1, v);
+                        for (int i = 0; i < R; i++) {
+                            const int8_t* xv = xb[i] + 32 * j + 4 * v;
+                            p0[i] = v_dot4(p0[i], w0, xv);
+                            p1[i] = v_dot4(p1[i], w1, xv + 32);
+                        }
+                    }
+                    add_scaled_pair<G, R>(isum, p0, p1, ks, j);
+                }
             }
             const F dv = halves_of<G>(gb, 0);
             for (int i = 0; i < R; i++) acc[i] = v_fma(acc[i], dv, x.xd[i] + b, isum[i]);
         }
-    }
-    store_groups<G, R>(c, n, m0, acc);
-}
-
-// isum[i] += p[i] * scale j (each group's KScales scale32).
-template <int G, int R, class Scales>
-QG_AVX512 inline void add_scaled_one(VecI<G>* isum, const VecI<G>* p, const Scales* sc, int j) {
-    __m256i part[G];
-    for (int k = 0; k < G; k++) part[k] = sc[k].scale32(j);
-    const VecI<G> s = join<G>(part);
-    for (int i = 0; i < R; i++) {
-        isum[i] = v_add(isum[i], v_mullo(p[i], s));
-        asm("" : "+v"(isum[i]));
-    }
-}
-
-// Which K-quant tiles of 5 to 8 rows take groupk_tall_avx512: Q4_K's on 512-bit vectors. On a
-// 2-vCPU Zen 4, a forward of 5 rows of one sequence of Qwen2.5-Coder 1.5B Q4_K_M (speculation
-// checking 4 guesses) cost 1.36-1.40x a 4-row one with a 4-row tile and a 1-row tile, 1.28-1.29x
-// with one 5-row pass; 8 rows 1.78-1.83x, 1.64-1.73x (docs/benchmarks.md, the seventh Zen 4 section). On 256-bit vectors the one-pass tile made
-// the step slower (6 rows: 1.3-1.5x), and a one-pass Q6_K tile did on either.
-template <int T, int G>
-constexpr bool kTallTile = T == Q4_K && G == 2;
-
-// Q4_K for 5 to 8 rows in one pass over the weights: groupk_avx512's integers and float
-// steps, with one chain of sums a row (a sub-block at a time) where it keeps two, so that all
-// the rows' sums fit the registers. Each weight vector is unpacked once for every row, where a
-// 4-row tile and a tile for the rest unpacked it twice and the second tile's pass added its whole
-// compute to the step. The integers are the same sums: the bits are groupk_avx512's.
-template <int T, int R, bool PF, int G>
-QG_AVX512 void groupk_tall_avx512(const Ctx& c, int64_t n, int64_t m0) {
-    using L = PackedK<T>;
-    using I = VecI<G>;
-    using F = VecF<G>;
-    static_assert(T == Q4_K);
-    const KActs<R> x(c, m0);
-    F acc[R];
-    for (int i = 0; i < R; i++) acc[i] = F{};
-    for (int64_t b = 0; b < c.nb; b++) {
-        const uint8_t* gb[G];
-        group_blocks<G, PF>(c, n, b, L::group_bytes, gb);
-        const int8_t* xb[R];
-        for (int i = 0; i < R; i++) xb[i] = x.xq[i] + b * QK;
-        KScales ks[G];
-        for (int k = 0; k < G; k++) ks[k] = KScales(gb[k] + L::sc);
-        sub_k_mins<G, R>(acc, ks, x, b, gb);  // the mins first
-        I isum[R];
-        for (int i = 0; i < R; i++) isum[i] = I{};
-        for (int j = 0; j < 8; j++) {  // sub-block j: the low (j even) or high nibbles of 32 bytes a row
-            I p[R];
-            for (int i = 0; i < R; i++) p[i] = I{};
-#pragma GCC unroll 8
-            for (int v = 0; v < 8; v++) {
-                const I w = k_weights_of<T, G>(gb, j, v);
-                for (int i = 0; i < R; i++) p[i] = v_dot4(p[i], w, xb[i] + 32 * j + 4 * v);
-            }
-            add_scaled_one<G, R>(isum, p, ks, j);
-        }
-        const F dv = halves_of<G>(gb, 0);
-        for (int i = 0; i < R; i++) acc[i] = v_fma(acc[i], dv, x.xd[i] + b, isum[i]);
     }
     store_groups<G, R>(c, n, m0, acc);
 }
@@ -420,13 +397,12 @@ constexpr bool kSixRowTile = block_values(T) == 256 && G == 2 && !kTallTile<T, G
 template <int T, int G>
 constexpr int kTileRowsAvx512 = block_values(T) == 32 || kTallTile<T, G> ? 8 : kSixRowTile<T, G> ? 6 : 4;
 
-// The tile for `rows` rows (1 .. R): the one-pass tile for 5 or more rows where kTallTile says.
+// The tile for `rows` rows (1 .. R).
 template <int T, bool PF, int G, int R = kTileRowsAvx512<T, G>>
 QG_AVX512 void tile_of_rows_avx512(const Ctx& c, int64_t n, int64_t m, int rows) {
     if constexpr (R > 1)
         if (rows < R) return tile_of_rows_avx512<T, PF, G, R - 1>(c, n, m, rows);
-    if constexpr (kTallTile<T, G> && R > 4) groupk_tall_avx512<T, R, PF, G>(c, n, m);
-    else group_avx512<T, R, PF, G>(c, n, m);
+    group_avx512<T, R, PF, G>(c, n, m);
 }
 
 // Rows m0 .. m0 + mt - 1: one tile where kTileRowsAvx512 allows, else 4 rows at a time and the rest.
