@@ -212,7 +212,7 @@ CPUINFO = ("processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel
 
 @pytest.mark.parametrize("vendor, family, want", [
     ("GenuineIntel", "6", ["-DQG_PREFETCH_ONE_GROUP=24576"]),
-    ("AuthenticAMD", "25", ["-DQG_PREFETCH_LOCALITY=2", "-DQG_NARROW_TILE_ROWS=4"]),  # Zen 3 / Zen 4
+    ("AuthenticAMD", "25", ["-DQG_PREFETCH_LOCALITY=2", "-DQG_NARROW_TILE_ROWS=1"]),  # Zen 3 / Zen 4
     ("AuthenticAMD", "26", []),  # Zen 5: a full-width 512-bit datapath, not measured: the defaults
     ("HygonGenuine", "24", []),
 ])

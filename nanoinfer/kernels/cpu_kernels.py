@@ -83,14 +83,14 @@ def _vendor_flags(cpuinfo: str | None = None) -> list[str]:
     """The block kernels' tuning for this CPU's vendor and family, as measured on them
     (csrc/quant/kernel.h): on Intel a weight streamed one group at a time is prefetched 24 KiB
     ahead instead of 8 (kPrefetchOneGroup); on AMD family 25 (Zen 3 and 4) the streamed weights
-    are prefetched into L2 rather than L1 (kPrefetchLocality), and calls of up to 4 rows take the
+    are prefetched into L2 rather than L1 (kPrefetchLocality), and calls of one row take the
     AVX-512 path's 256-bit tiles (kNarrowTileRows: Zen 4's AVX-512 runs as two 256-bit halves)."""
     cpu = first_processor(cpuinfo)
     vendor, family = cpu.get("vendor_id"), cpu.get("cpu family")
     if vendor == "GenuineIntel":
         return ["-DQG_PREFETCH_ONE_GROUP=24576"]
     if vendor == "AuthenticAMD" and family == "25":
-        return ["-DQG_PREFETCH_LOCALITY=2", "-DQG_NARROW_TILE_ROWS=4"]
+        return ["-DQG_PREFETCH_LOCALITY=2", "-DQG_NARROW_TILE_ROWS=1"]
     return []
 
 

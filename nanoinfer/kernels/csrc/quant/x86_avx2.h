@@ -72,11 +72,15 @@ struct GroupRows {
     }
 };
 
-// The next `bytes` of a streamed weight, `ahead` bytes ahead, and a line of the thread's side ranges.
+// The `bytes` of a streamed weight from p on, and a line of the thread's side ranges.
+QG_AVX2 inline void prefetch_lines(const Ctx& c, const uint8_t* p, int bytes) {
+    for (int o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, kPrefetchLocality);
+    if (c.side) c.side->step(1);
+}
+// The next `bytes` of a streamed weight, `ahead` bytes ahead.
 template <int64_t ahead>
 QG_AVX2 inline void prefetch_ahead(const Ctx& c, const uint8_t* p, int bytes) {
-    for (int o = 0; o < bytes; o += 64) __builtin_prefetch(p + ahead + o, 0, kPrefetchLocality);
-    if (c.side) c.side->step(1);
+    prefetch_lines(c, p + ahead, bytes);
 }
 
 // Vector v of a 4- or 5-bit group block as unsigned bytes: lo holds values 4v..4v+3 of each row,

@@ -74,6 +74,11 @@ QG_AVX512 inline __m256i v_mullo(__m256i a, __m256i b) { return _mm256_mullo_epi
 QG_AVX512 inline __m512i v_mullo(__m512i a, __m512i b) { return _mm512_mullo_epi32(a, b); }
 QG_AVX512 inline __m256i v_slli32(__m256i a, int k) { return _mm256_slli_epi32(a, k); }
 QG_AVX512 inline __m512i v_slli32(__m512i a, int k) { return _mm512_slli_epi32(a, k); }
+// The int16 pairs of w times the int16 pair at x (broadcast), each lane's two products summed.
+QG_AVX512 inline __m256i v_madd16(__m256i w, const int16_t* x) { return _mm256_madd_epi16(w, bcast4(reinterpret_cast<const int8_t*>(x))); }
+QG_AVX512 inline __m512i v_madd16(__m512i w, const int16_t* x) {
+    return _mm512_madd_epi16(w, _mm512_set1_epi32(int32_t(rd32(reinterpret_cast<const uint8_t*>(x)))));
+}
 // acc + the 4 products u8 x s8 of each 32-bit lane, 4 activation values at x in every lane.
 // Natively one instruction, the 4 values broadcast from memory inside vpdpbusd ({1to8}): GCC 12
 // emits a separate broadcast for the intrinsics, a quarter of a K-quant tile's instructions
@@ -144,11 +149,19 @@ QG_AVX512 inline VecI<G> q6_weights_of(const uint8_t* const* gb, int h, int t, i
 }
 
 // Block b of each of the G groups from row n on (group_bytes each), prefetching ahead when PF.
+// One group streams its rows' bytes in memory order, prefetched kPrefetchOneGroup bytes ahead.
+// Two groups lie side by side and are read in step, so a fixed distance ahead of the first one's
+// block lands in the second group, a block or so before that group reads it: half the stream
+// arrived late (2-vCPU Zen 4, one thread, a 256 MiB Q4_K weight of K = 1536: 16 rows 1.2-1.3x
+// slower than 8 at one to four activation rows, where with the weights in L2 they ran alike or
+// faster). Each of the two takes the same block of the next call's groups, 2 * kGroup rows on:
+// one call ahead (see kNarrowTileRows for the figures).
 template <int G, bool PF>
 QG_AVX512 inline void group_blocks(const Ctx& c, int64_t n, int64_t b, int group_bytes, const uint8_t** gb) {
     for (int k = 0; k < G; k++) {
         gb[k] = c.w + (n + kGroup * k) * c.rb + b * group_bytes;
-        if constexpr (PF) prefetch_ahead<G == 1 ? kPrefetchOneGroup : kPrefetch>(c, gb[k], group_bytes);
+        if constexpr (PF && G == 1) prefetch_ahead<kPrefetchOneGroup>(c, gb[k], group_bytes);
+        if constexpr (PF && G == 2) prefetch_lines(c, gb[k] + 2 * kGroup * c.rb, group_bytes);
     }
 }
 
@@ -249,15 +262,39 @@ QG_AVX512 inline void add_scaled_pair(VecI<G>* isum, const VecI<G>* p0, const Ve
 }
 
 // Q4_K, Q5_K: acc[i] minus dmin * d_x * row i's sum_j m_j * (the sum of x over sub-block j),
-// for G groups (k_min_sums' integers).
+// for G groups: k_min_sums' integers (exact, so the same whatever the order), a row at a time
+// into its accumulator on the G groups' lanes at once. (k_min_sums for each group, then joined,
+// kept R * G sums alive and the 16-row 4-row tile spilled a hundred of its registers a block.)
 template <int G, int R>
 QG_AVX512 inline void sub_k_mins(VecF<G>* acc, const KScales* ks, const KActs<R>& x, int64_t b, const uint8_t* const* gb) {
-    __m256i ms[G][R], part[G];
-    for (int k = 0; k < G; k++) k_min_sums(ks[k], x, b, ms[k]);
+    VecI<G> mp[4];
+    for (int p = 0; p < 4; p++) {
+        __m256i part[G];
+        for (int k = 0; k < G; k++) part[k] = pick_bytes(p < 2 ? ks[k].mn_lo : ks[k].mn_hi, kPair16[p & 1]);
+        mp[p] = join<G>(part);
+    }
     const VecF<G> dmv = halves_of<G>(gb, 16);
     for (int i = 0; i < R; i++) {
-        for (int k = 0; k < G; k++) part[k] = ms[k][i];
-        acc[i] = v_fnma(acc[i], dmv, x.xd[i] + b, join<G>(part));
+        VecI<G> ms = v_madd16(mp[0], x.xb[i] + b * 16);
+        for (int p = 1; p < 4; p++) ms = v_add(ms, v_madd16(mp[p], x.xb[i] + b * 16 + 2 * p));
+        acc[i] = v_fnma(acc[i], dmv, x.xd[i] + b, ms);
+    }
+}
+
+// Q6_K: isum[i] minus 32 times row i's sum_g scale g * (the sum of x over group g), for G
+// groups: q6_offset_sums' integers, a row at a time on the G groups' lanes at once (as sub_k_mins).
+template <int G, int R>
+QG_AVX512 inline void sub_q6_offsets(VecI<G>* isum, const Q6Scales* sc, const KActs<R>& x, int64_t b) {
+    VecI<G> scp[8];
+    for (int p = 0; p < 8; p++) {
+        __m256i part[G];
+        for (int k = 0; k < G; k++) part[k] = _mm256_srai_epi16(pick_bytes(sc[k].S[p / 2], kPairHi16[p % 2]), 8);
+        scp[p] = join<G>(part);
+    }
+    for (int i = 0; i < R; i++) {
+        VecI<G> off = v_madd16(scp[0], x.xb[i] + b * 16);
+        for (int p = 1; p < 8; p++) off = v_add(off, v_madd16(scp[p], x.xb[i] + b * 16 + 2 * p));
+        isum[i] = v_sub(isum[i], v_slli32(off, 5));
     }
 }
 
@@ -330,12 +367,7 @@ QG_AVX512 void groupk_avx512(const Ctx& c, int64_t n, int64_t m0) {
                     }
                     add_scaled_pair<G, R>(isum, p0, p1, sc, g);
                 }
-            __m256i off[G][R];
-            for (int k = 0; k < G; k++) q6_offset_sums(sc[k], x, b, off[k]);
-            for (int i = 0; i < R; i++) {
-                for (int k = 0; k < G; k++) part[k] = off[k][i];
-                isum[i] = v_sub(isum[i], v_slli32(join<G>(part), 5));
-            }
+            sub_q6_offsets<G, R>(isum, sc, x, b);
             const F dv = halves_of<G>(gb, L::q6_d);
             for (int i = 0; i < R; i++) acc[i] = v_fma(acc[i], dv, x.xd[i] + b, isum[i]);
         } else {
@@ -412,18 +444,18 @@ QG_AVX512 void groups_avx512(const Ctx& c, int64_t n, int64_t m0, int mt) {
     for (; mt > 0; m0 += 4, mt -= 4) tile_of_rows_avx512<T, PF, G>(c, n, m0, std::min(mt, 4));
 }
 
-// Where a CPU takes narrow tiles (kNarrowTileRows), a streamed Q6_K weight takes them at every
-// size: on a 2-vCPU Zen 4 its 16-row tiles streamed 100 MB of weights 1.7-1.9x slower at 5-8
-// rows than the narrow tiles did, group by group (with the weights in L2 the two ran alike),
-// while Q4_K's ran 1.3x faster than its narrow ones and Q5_K's within 4%.
+// Where a CPU takes narrow tiles (kNarrowTileRows), Q6_K takes them up to 4 rows: streamed as in
+// kNarrowTileRows' figures, 8-row tiles against 16-row ones at 1-4 rows K = 1536: 73-77 / 83-101,
+// 73-75 / 86-87, 78-82 / 88-90, 87-89 / 98-101 (K = 8960 alike), at 5 rows 121 / 102 (K = 8960:
+// 140-144 / 121-123).
 template <int T>
-constexpr bool kWideWhenStreamed = !(T == Q6_K && kNarrowTileRows > 0);
+constexpr int64_t kNarrowRows = T == Q6_K && kNarrowTileRows > 0 ? std::max<int64_t>(kNarrowTileRows, 4) : kNarrowTileRows;
 
 // rows_avx2's work split, with the groups above: 16 rows (two groups) on 512-bit vectors where
-// the driver hands them out together, in calls of more than kNarrowTileRows rows.
+// the driver hands them out together, in calls of more than kNarrowRows rows.
 template <int T>
 QG_AVX512 void rows_avx512(const Ctx& c, int64_t n, int cols, int64_t m0, int mt) {
-    if (cols == 2 * kGroup && n + 2 * kGroup <= c.grouped && c.M > kNarrowTileRows && (kWideWhenStreamed<T> || !c.stream))
+    if (cols == 2 * kGroup && n + 2 * kGroup <= c.grouped && c.M > kNarrowRows<T>)
         return c.stream ? groups_avx512<T, true, 2>(c, n, m0, mt) : groups_avx512<T, false, 2>(c, n, m0, mt);
     for (int64_t g = n; g < n + cols; g += kGroup) {
         if (g >= c.grouped) return rows_portable_grouped<T>(c, g, int(n + cols - g), m0, mt);
