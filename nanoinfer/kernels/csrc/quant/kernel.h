@@ -21,11 +21,13 @@ constexpr int64_t QK = 256;      // values per K-quant block
 // ahead measured best on Zen 3 (2 KiB: +12%, 8 KiB: +25% tok/s, 32 KiB: worse again).
 constexpr int64_t kPrefetch = 8192;
 // The same where a thread streams one repacked group at a time (the AVX2 tiles and the AVX-512
-// tiles of one group; those of two prefetch one call ahead: x86_avx512.h's group_blocks). The kernels are built for the CPU they run on and
-// cpu_kernels.py sets QG_PREFETCH_ONE_GROUP by vendor: on Intel (a 2-vCPU Xeon, batch-1 decode)
-// 8 -> 24 KiB took Qwen2.5-Coder 1.5B Q4_K_M's step from 66 to 52 ms and Gemma 3 270M's and
-// Qwen2.5-Coder 0.5B's 10-16% down; AMD keeps Zen 3's 8 KiB. (Read from the Ctx at run time
-// instead, the distance cost the AVX-512 8-row tiles up to 15% at batch 8: registers.)
+// tiles of one group; those of two prefetch one call ahead: x86_avx512.h's group_blocks). The
+// kernels are built for the CPU they run on and cpu_kernels.py sets QG_PREFETCH_ONE_GROUP by
+// vendor: on Intel (a 2-vCPU Xeon, batch-1 decode) 8 -> 24 KiB took Qwen2.5-Coder 1.5B Q4_K_M's
+// step from 66 to 52 ms and Gemma 3 270M's and Qwen2.5-Coder 0.5B's 10-16% down; AMD keeps Zen
+// 3's 8 KiB. (Read from the Ctx at run time instead, this distance cost the AVX-512 tiles up to
+// 15% at batch 8: registers. The two-group tiles' distance, one call, comes from the Ctx's row
+// bytes, and measured faster all the same.)
 #ifndef QG_PREFETCH_ONE_GROUP
 #define QG_PREFETCH_ONE_GROUP 8192
 #endif
@@ -44,8 +46,8 @@ constexpr int kPrefetchLocality = QG_PREFETCH_LOCALITY;
 // vectors; larger ones its 16-row tiles on 512-bit vectors (Q6_K: x86_avx512.h's kNarrowRows).
 // cpu_kernels.py sets QG_NARROW_TILE_ROWS=1 on AMD family 25 (Zen 4 runs a 512-bit operation as
 // two 256-bit halves): streamed one thread on a 2-vCPU Zen 4 (a 256 MiB weight of K = 1536), ns
-// per 8 weight rows x 256 at 1 row, 8-row tiles against 16-row ones: Q4_K 51-52 / 55-56, Q5_K
-// 67 / 66-69, Q6_K 73-77 / 83-101; Q4_1 (x 32) 7.1-7.3 / 7.7-7.8. From 2 rows the 16-row tiles
+// per 8 weight rows x 256 at 1 row, 8-row tiles against 16-row ones: Q4_K 51 / 55-56, Q5_K
+// 67 / 66-69, Q6_K 73-77 / 83-101; Q4_1 (x 32) 7.2-7.5 / 7.9-8.0. From 2 rows the 16-row tiles
 // ran faster (Q4_K at 4 rows 81 / 55, Q4_1 11.5 / 8.3). The same integers and float operations
 // per lane either way: the same bits.
 #ifndef QG_NARROW_TILE_ROWS

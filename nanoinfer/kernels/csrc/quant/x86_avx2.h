@@ -297,19 +297,6 @@ QG_AVX2 inline __m256i q6_weights(const uint8_t* gb, int h, int t, int v) {
     return _mm256_or_si256(_mm256_or_si256(b01, b23), b45);
 }
 
-// Q6_K's offset: each row's sum_g sc_g * (the sum of x over group g), taken off 32 times (the
-// AVX-512 tile's; the AVX2 one starts its int16 sums from po instead).
-template <int R>
-QG_AVX2 inline void q6_offset_sums(const Q6Scales& sc, const KActs<R>& x, int64_t b, __m256i* off) {
-    for (int i = 0; i < R; i++) {
-        off[i] = _mm256_setzero_si256();
-        for (int p = 0; p < 8; p++) {
-            const __m256i scp = _mm256_srai_epi16(pick_bytes(sc.S[p / 2], kPairHi16[p % 2]), 8);
-            off[i] = _mm256_add_epi32(off[i], _mm256_madd_epi16(scp, bcast4(reinterpret_cast<const int8_t*>(x.xb[i] + b * 16 + 2 * p))));
-        }
-    }
-}
-
 // Each row's int16 sums of a run of weight vectors, times the run's scale (int16 pairs), into
 // its int32 sum. In order, behind a barrier: left free, GCC kept all of a block's runs on the
 // stack to add them as a tree at the end (a 4-row Q6_K tile spilled 128 vectors a block).

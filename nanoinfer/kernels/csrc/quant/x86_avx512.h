@@ -281,8 +281,9 @@ QG_AVX512 inline void sub_k_mins(VecF<G>* acc, const KScales* ks, const KActs<R>
     }
 }
 
-// Q6_K: isum[i] minus 32 times row i's sum_g scale g * (the sum of x over group g), for G
-// groups: q6_offset_sums' integers, a row at a time on the G groups' lanes at once (as sub_k_mins).
+// Q6_K's offset: isum[i] minus 32 times row i's sum_g scale g * (the sum of x over group g), for
+// G groups, a row at a time on their lanes at once (as sub_k_mins; the AVX2 tile starts its int16
+// sums from po instead).
 template <int G, int R>
 QG_AVX512 inline void sub_q6_offsets(VecI<G>* isum, const Q6Scales* sc, const KActs<R>& x, int64_t b) {
     VecI<G> scp[8];
