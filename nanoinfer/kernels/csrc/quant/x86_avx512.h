@@ -346,7 +346,6 @@ QG_AVX512 void groupk_avx512(const Ctx& c, int64_t n, int64_t m0) {
         for (int i = 0; i < R; i++) xb[i] = x.xq[i] + b * QK;
         I isum[R];
         for (int i = 0; i < R; i++) isum[i] = I{};
-        __m256i part[G];
         if constexpr (T == Q6_K) {
             Q6Scales sc[G];
             for (int k = 0; k < G; k++) sc[k] = Q6Scales(gb[k]);
