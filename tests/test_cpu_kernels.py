@@ -69,6 +69,10 @@ CASES = [  # heads, kv_heads, head_dim, block_size, context lengths, window
     (8, 4, 64, 16, [300], None),  # one sequence: its blocks are split over the threads, then merged
     (9, 3, 128, 16, [45, 2], 40),  # two sequences, split too (one into an empty part), with a window
     (9, 3, 64, 16, [5], None),  # one short sequence: more parts than blocks
+    (12, 2, 128, 16, [513, 20, 3], None),  # Qwen2.5-1.5B's shapes: six query heads to a kv head (kWideHeads: at once)
+    (14, 2, 64, 16, [70, 9], None),  # seven to one (Qwen2.5-0.5B): six, then one
+    (8, 2, 128, 16, [300, 2], None),  # four to one
+    (4, 1, 256, 16, [40, 3], None),  # Gemma 3's head size
 ]
 
 
@@ -107,7 +111,7 @@ def test_kernel_matches_pytorch_bf16(case):
 
 @pytest.mark.parametrize("q_dtype,kv_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
                                                (torch.bfloat16, torch.bfloat16)])
-@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], (8, 2, 64, 16, [600, 5, 70], None)])
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], (8, 2, 64, 16, [600, 5, 70], None), CASES[7], CASES[10]])
 def test_a_row_is_the_same_bits_alone_and_in_a_batch(case, q_dtype, kv_dtype):
     """A batch with enough runs for every thread reads each token's keys and values for all kv
     heads in one work item; a row alone splits its heads over the threads: the same bits."""
