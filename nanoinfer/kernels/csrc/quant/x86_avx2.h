@@ -456,21 +456,17 @@ QG_AVX2 void tile_avx2(const Ctx& c, int64_t n, int64_t m0) {
 template <int T>
 constexpr int kTileRowsAvx2 = T == Q5_0 || T == Q5_1 ? 4 : T == F32 || T == F16 || T == BF16 ? 5 : 6;
 
-// The tile for `rows` rows (1 .. R).
-template <int T, bool PF, int R = kTileRowsAvx2<T>>
-QG_AVX2 void tile_of_rows(const Ctx& c, int64_t n, int64_t m, int rows) {
-    if constexpr (R > 1)
-        if (rows < R) return tile_of_rows<T, PF, R - 1>(c, n, m, rows);
-    tile_avx2<T, R, PF>(c, n, m);
-}
-
-// Rows m0 .. m0 + mt - 1: one tile where kTileRowsAvx2 allows, else 4 rows at a time and the
-// rest (7: 4 + 3). Not split evenly: the F32 tile of 3 rows runs slower than that of 4 (232
-// against 160-171 ns a weight row of 1536 in L2), so 5 F32 rows as 3 + 2 would take 1.5x 4 + 1.
+// The tiles of rows m0 .. m0 + mt - 1 over outputs n ..: split_rows with tile_avx2.
+template <int T, bool PF>
+struct Avx2Tile {
+    const Ctx& c;
+    int64_t n;
+    template <int R>
+    QG_AVX2 void run(int64_t m) const { tile_avx2<T, R, PF>(c, n, m); }
+};
 template <int T, bool PF>
 QG_AVX2 void tiles_avx2(const Ctx& c, int64_t n, int64_t m0, int mt) {
-    if (mt <= kTileRowsAvx2<T>) return tile_of_rows<T, PF>(c, n, m0, mt);
-    for (; mt > 0; m0 += 4, mt -= 4) tile_of_rows<T, PF>(c, n, m0, std::min(mt, 4));
+    split_rows<kTileRowsAvx2<T>>(Avx2Tile<T, PF>{c, n}, m0, mt);
 }
 
 // Outputs y[m0 .. m0 + mt - 1, n .. n + cols - 1]. A repacked group takes all 8 of its rows

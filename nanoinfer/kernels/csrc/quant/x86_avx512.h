@@ -429,19 +429,17 @@ constexpr bool kSixRowTile = block_values(T) == 256 && G == 2 && !kTallTile<T, G
 template <int T, int G>
 constexpr int kTileRowsAvx512 = block_values(T) == 32 || kTallTile<T, G> ? 8 : kSixRowTile<T, G> ? 6 : 4;
 
-// The tile for `rows` rows (1 .. R).
-template <int T, bool PF, int G, int R = kTileRowsAvx512<T, G>>
-QG_AVX512 void tile_of_rows_avx512(const Ctx& c, int64_t n, int64_t m, int rows) {
-    if constexpr (R > 1)
-        if (rows < R) return tile_of_rows_avx512<T, PF, G, R - 1>(c, n, m, rows);
-    group_avx512<T, R, PF, G>(c, n, m);
-}
-
-// Rows m0 .. m0 + mt - 1: one tile where kTileRowsAvx512 allows, else 4 rows at a time and the rest.
+// The tiles of rows m0 .. m0 + mt - 1 over G groups from output n on: split_rows with group_avx512.
+template <int T, bool PF, int G>
+struct Avx512Tile {
+    const Ctx& c;
+    int64_t n;
+    template <int R>
+    QG_AVX512 void run(int64_t m) const { group_avx512<T, R, PF, G>(c, n, m); }
+};
 template <int T, bool PF, int G>
 QG_AVX512 void groups_avx512(const Ctx& c, int64_t n, int64_t m0, int mt) {
-    if (mt <= kTileRowsAvx512<T, G>) return tile_of_rows_avx512<T, PF, G>(c, n, m0, mt);
-    for (; mt > 0; m0 += 4, mt -= 4) tile_of_rows_avx512<T, PF, G>(c, n, m0, std::min(mt, 4));
+    split_rows<kTileRowsAvx512<T, G>>(Avx512Tile<T, PF, G>{c, n}, m0, mt);
 }
 
 // Where a CPU takes narrow tiles (kNarrowTileRows), Q6_K takes them up to 4 rows: streamed as in
