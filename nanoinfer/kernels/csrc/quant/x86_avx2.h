@@ -243,14 +243,15 @@ struct KScales {
     // sub-block j's scale as an int16 pair per lane (for vpmaddwd) / as the lane's int32
     QG_AVX2 __m256i scale16(int j) const { return pick_bytes(j < 4 ? sc_lo : sc_hi, kByte16[j & 3]); }
     QG_AVX2 __m256i scale32(int j) const { return pick_bytes(j < 4 ? sc_lo : sc_hi, kByte32[j & 3]); }
+    // mins 2p and 2p + 1 as an int16 pair per lane (for vpmaddwd against the sums of x)
+    QG_AVX2 __m256i min_pair16(int p) const { return pick_bytes(p < 2 ? mn_lo : mn_hi, kPair16[p & 1]); }
 };
 
 // Q4_K, Q5_K: each row's sum_j m_j * (the sum of x over sub-block j), the integer the mins take
 // off (times dmin * d_x).
 template <int R>
 QG_AVX2 inline void k_min_sums(const KScales& ks, const KActs<R>& x, int64_t b, __m256i* ms) {
-    const __m256i mp[4] = {pick_bytes(ks.mn_lo, kPair16[0]), pick_bytes(ks.mn_lo, kPair16[1]), pick_bytes(ks.mn_hi, kPair16[0]),
-                           pick_bytes(ks.mn_hi, kPair16[1])};
+    const __m256i mp[4] = {ks.min_pair16(0), ks.min_pair16(1), ks.min_pair16(2), ks.min_pair16(3)};
     for (int i = 0; i < R; i++) {
         ms[i] = _mm256_setzero_si256();
         for (int p = 0; p < 4; p++) {

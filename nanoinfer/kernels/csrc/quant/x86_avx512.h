@@ -270,7 +270,7 @@ QG_AVX512 inline void sub_k_mins(VecF<G>* acc, const KScales* ks, const KActs<R>
     VecI<G> mp[4];
     for (int p = 0; p < 4; p++) {
         __m256i part[G];
-        for (int k = 0; k < G; k++) part[k] = pick_bytes(p < 2 ? ks[k].mn_lo : ks[k].mn_hi, kPair16[p & 1]);
+        for (int k = 0; k < G; k++) part[k] = ks[k].min_pair16(p);
         mp[p] = join<G>(part);
     }
     const VecF<G> dmv = halves_of<G>(gb, 16);
