@@ -73,6 +73,8 @@ CASES = [  # heads, kv_heads, head_dim, block_size, context lengths, window
     (14, 2, 64, 16, [70, 9], None),  # seven to one (Qwen2.5-0.5B): six, then one
     (8, 2, 128, 16, [300, 2], None),  # four to one
     (4, 1, 256, 16, [40, 3], None),  # Gemma 3's head size
+    (32, 32, 96, 16, [40, 3], None),  # Phi-3 mini's: head size 96, no grouping
+    (8, 2, 96, 16, [70, 5], None),  # head size 96, four to one
 ]
 
 
@@ -111,7 +113,8 @@ def test_kernel_matches_pytorch_bf16(case):
 
 @pytest.mark.parametrize("q_dtype,kv_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
                                                (torch.bfloat16, torch.bfloat16)])
-@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], (8, 2, 64, 16, [600, 5, 70], None), CASES[7], CASES[10]])
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], (8, 2, 64, 16, [600, 5, 70], None), CASES[7], CASES[10],
+                                  CASES[12]])
 def test_a_row_is_the_same_bits_alone_and_in_a_batch(case, q_dtype, kv_dtype):
     """A batch with enough runs for every thread reads each token's keys and values for all kv
     heads in one work item; a row alone splits its heads over the threads: the same bits."""

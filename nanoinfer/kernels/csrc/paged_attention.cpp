@@ -326,8 +326,8 @@ inline float max_of(const float* x, int64_t n) {
 // already scaled (the fast path reorders its heads in place). s: [H, t1 - t0] scratch. Out, per
 // head h: m[h] the largest score, l[h] = sum of e^(score - m[h]), and acc[h * D ...] = sum of
 // e^(score - m[h]) * value (not yet divided by l: the parts of a sequence split over threads are
-// merged first). D_ > 0 fixes the head size at compile time. With AVX2 and D_ a multiple of 64,
-// the sums stay in registers and each key and value chunk is loaded (and a bf16 one widened) once
+// merged first). D_ > 0 fixes the head size at compile time. With AVX2 and D_ a multiple of 32
+// (of 64 for a q8_0 cache, whose values are summed 64 at a time), the sums stay in registers and each key and value chunk is loaded (and a bf16 one widened) once
 // for all the query heads of its kv head (the portable loops kept the sums in memory: 1.5x slower
 // at a 1000-token context). A head's sums are the same whichever range of kv heads it is
 // computed with.
@@ -339,7 +339,7 @@ void attend_part(float* qf, const T* k, const T* v, const int64_t* table, int64_
     const int64_t S = t1 - t0, hs = head_stride<T>(D), row = Hkv * hs;
     const int64_t h0 = hk0 * G, h1 = hk1 * G;
 #if defined(__AVX2__) && defined(__FMA__)
-    constexpr bool fast = D_ > 0 && D_ % 64 == 0;
+    constexpr bool fast = D_ > 0 && D_ % (std::is_same_v<T, Q8> ? 64 : 32) == 0;
     constexpr int DF = D_ > 0 ? D_ : 64;
 #else
     constexpr bool fast = false;
@@ -483,6 +483,8 @@ __attribute__((noinline)) void paged_decode_team(const TQ* q, const int64_t* row
         const int64_t* table = tables + b * width;
         if (D == 64)
             attend_part<TKV, 64>(qf, k, v, table, t0, t1, bs, Hkv, hk0, hk1, G, D, softcap, s, acc, m, l);
+        else if (D == 96)  // Phi-3 mini
+            attend_part<TKV, 96>(qf, k, v, table, t0, t1, bs, Hkv, hk0, hk1, G, D, softcap, s, acc, m, l);
         else if (D == 128)
             attend_part<TKV, 128>(qf, k, v, table, t0, t1, bs, Hkv, hk0, hk1, G, D, softcap, s, acc, m, l);
         else if (D == 256)
