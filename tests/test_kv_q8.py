@@ -1,5 +1,5 @@
 """The q8_0 KV cache (kv_cache_dtype="q8_0", attention/kv_cache.py): GGML's q8_0 blocks per token
-and head, the C++ quantiser and the PyTorch one byte for byte, the engine against the uncached
+and head (head sizes 32, 64 and 96), the C++ quantiser and the PyTorch one byte for byte, the engine against the uncached
 loop rounding k and v the same way (both attention backends), each row's bits the same alone,
 batched and chunked, the decoder stack's bits the modules' (tests/test_decoder_stack.py), and
 the pool's bytes."""
@@ -43,9 +43,23 @@ def wide_gguf(tiny_tokenizer_dir, tmp_path_factory):
     return write_gguf_from_hf(model, tiny_tokenizer_dir, tmp_path_factory.mktemp("q8kv") / "wide.gguf", "Q8_0")
 
 
-@pytest.fixture(params=["qwen3", "wide"])
-def model_file(request, qwen3_gguf, wide_gguf):
-    return qwen3_gguf if request.param == "qwen3" else wide_gguf
+@pytest.fixture(scope="module")
+def odd_gguf(tiny_tokenizer_dir, tmp_path_factory):
+    """head_dim 96 (Phi-3 mini's): three q8_0 blocks a head, not rotated (64 does not divide it)."""
+    import transformers as tf
+
+    tok = tf.AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    cfg = tf.Qwen2Config(vocab_size=len(tok), hidden_size=192, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                         rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, rope_theta=1000000.0)
+    torch.manual_seed(1)
+    model = tf.Qwen2ForCausalLM(cfg).eval()
+    return write_gguf_from_hf(model, tiny_tokenizer_dir, tmp_path_factory.mktemp("q8kv") / "odd.gguf", "Q8_0")
+
+
+@pytest.fixture(params=["qwen3", "wide", "odd"])
+def model_file(request, qwen3_gguf, wide_gguf, odd_gguf):
+    return {"qwen3": qwen3_gguf, "wide": wide_gguf, "odd": odd_gguf}[request.param]
 
 
 def test_blocks_are_ggml_q8_0_and_both_quantisers_agree():

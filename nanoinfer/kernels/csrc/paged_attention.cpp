@@ -262,21 +262,23 @@ inline void dots_all(const float* qf, const T* rows, int64_t stride, int64_t ste
     }
 }
 
-// acc[0..63] += sum_i p[i] * (values d0 .. d0 + 63 of q8_0 row i), in registers: each block's
-// values times p[i] * d, the weight and scale in one factor (bf16 and fp32 rows: weighted_heads).
-inline void weighted64(const float* p, const Q8* rows, int64_t d0, int64_t stride, int64_t n, float* acc) {
-    __m256 a[8];
-    for (int c = 0; c < 8; c++) a[c] = _mm256_loadu_ps(acc + 8 * c);
+// acc[0..32 NB - 1] += sum_i p[i] * (values d0 .. d0 + 32 NB - 1 of q8_0 row i), NB blocks (1 or 2),
+// in registers: each block's values times p[i] * d, the weight and scale in one factor (bf16 and
+// fp32 rows: weighted_heads). Each value's sum is its own chain, whatever NB.
+template <int NB>
+inline void weighted_q8(const float* p, const Q8* rows, int64_t d0, int64_t stride, int64_t n, float* acc) {
+    __m256 a[4 * NB];
+    for (int c = 0; c < 4 * NB; c++) a[c] = _mm256_loadu_ps(acc + 8 * c);
     const int64_t b0 = d0 / kQ8Block;
     for (int64_t i = 0; i < n; i++) {
         const Q8* r = rows + i * stride;
-        for (int b = 0; b < 2; b++) {
+        for (int b = 0; b < NB; b++) {
             const __m256 w = _mm256_set1_ps(p[i] * scale_of(r, b0 + b));
             const Q8* qb = r + (b0 + b) * kQ8Bytes + 2;
             for (int c = 0; c < 4; c++) a[4 * b + c] = _mm256_fmadd_ps(w, int8x8(qb + 8 * c), a[4 * b + c]);
         }
     }
-    for (int c = 0; c < 8; c++) _mm256_storeu_ps(acc + 8 * c, a[c]);
+    for (int c = 0; c < 4 * NB; c++) _mm256_storeu_ps(acc + 8 * c, a[c]);
 }
 
 // The next block's rows of the heads read (`span` elements from `head` in each token's row): only
@@ -326,8 +328,8 @@ inline float max_of(const float* x, int64_t n) {
 // already scaled (the fast path reorders its heads in place). s: [H, t1 - t0] scratch. Out, per
 // head h: m[h] the largest score, l[h] = sum of e^(score - m[h]), and acc[h * D ...] = sum of
 // e^(score - m[h]) * value (not yet divided by l: the parts of a sequence split over threads are
-// merged first). D_ > 0 fixes the head size at compile time. With AVX2 and D_ a multiple of 32
-// (of 64 for a q8_0 cache, whose values are summed 64 at a time), the sums stay in registers and each key and value chunk is loaded (and a bf16 one widened) once
+// merged first). D_ > 0 fixes the head size at compile time. With AVX2 and D_ a multiple of 32,
+// the sums stay in registers and each key and value chunk is loaded (and a bf16 one widened) once
 // for all the query heads of its kv head (the portable loops kept the sums in memory: 1.5x slower
 // at a 1000-token context). A head's sums are the same whichever range of kv heads it is
 // computed with.
@@ -339,7 +341,7 @@ void attend_part(float* qf, const T* k, const T* v, const int64_t* table, int64_
     const int64_t S = t1 - t0, hs = head_stride<T>(D), row = Hkv * hs;
     const int64_t h0 = hk0 * G, h1 = hk1 * G;
 #if defined(__AVX2__) && defined(__FMA__)
-    constexpr bool fast = D_ > 0 && D_ % (std::is_same_v<T, Q8> ? 64 : 32) == 0;
+    constexpr bool fast = D_ > 0 && D_ % 32 == 0;
     constexpr int DF = D_ > 0 ? D_ : 64;
 #else
     constexpr bool fast = false;
@@ -386,9 +388,13 @@ void attend_part(float* qf, const T* k, const T* v, const int64_t* table, int64_
 #if defined(__AVX2__) && defined(__FMA__)
         for_each_run(v, table, t0, t1, bs, row, hk0 * hs, (hk1 - hk0) * hs, [&](int64_t i, const T* rows, int64_t n) {
             if constexpr (std::is_same_v<T, Q8>) {
-                for (int64_t h = h0; h < h1; h++)
-                    for (int64_t d0 = 0; d0 < D; d0 += 64)
-                        weighted64(s + h * S + i, rows + h / G * hs, d0, row, n, acc + h * D + d0);
+                for (int64_t h = h0; h < h1; h++) {
+                    int64_t d0 = 0;
+                    const float* p = s + h * S + i;
+                    const Q8* r = rows + h / G * hs;
+                    for (; d0 + 64 <= D; d0 += 64) weighted_q8<2>(p, r, d0, row, n, acc + h * D + d0);
+                    if (d0 < D) weighted_q8<1>(p, r, d0, row, n, acc + h * D + d0);  // head size 96, ...: the last 32
+                }
             } else {
                 weighted_all<DF>(s + i, S, rows + hk0 * hs, row, hs, n, h0, h1, G, hk0, acc);
             }
