@@ -372,7 +372,7 @@ void attend_part(float* qf, const T* k, const T* v, const int64_t* table, int64_
         float* sh = s + h * S;
         float mh = -INFINITY, lh = 0.f;
         if (softcap > 0.f)
-            for (int64_t i = 0; i < S; i++) sh[i] = softcap * std::tanh(sh[i] / softcap);
+            for (int64_t i = 0; i < S; i++) sh[i] = soft_cap(sh[i], softcap);
 #if defined(__AVX2__) && defined(__FMA__)
         mh = max_of(sh, S);
 #else
