@@ -85,17 +85,14 @@ __attribute__((noinline)) void silu_mul_row(const T* g, T* o, int64_t inter) {
 
 // o = gelu_tanh(gate) * up (Gemma's MLP), gelu_tanh(g) = g / 2 * (1 + tanh(v)), v = sqrt(2 / pi) (g +
 // 0.044715 g^3), in torch's order (so 1 + tanh(v) cancels where it does in torch: a gate far below
-// zero gives 0, as there); tanh(v) = sign(v) (1 - e) / (1 + e) with e = e^-2|v|, so that the
-// exponential never overflows.
+// zero gives 0, as there); tanh through common.h's tanh_poly_exp.
 template <typename T>
 __attribute__((noinline)) void gelu_tanh_mul_row(const T* g, T* o, int64_t inter) {
     const T* u = g + inter;
     for (int64_t i = 0; i < inter; i++) {
         const float gi = load(g, i);
         const float v = 0.7978845608028654f * (gi + 0.044715f * gi * gi * gi);
-        const float e = exp_nonpositive(-2.f * std::fabs(v));
-        const float th = std::copysign((1.f - e) / (1.f + e), v);
-        store(o, i, round_as(0.5f * gi * (1.f + th), o) * load(u, i));
+        store(o, i, round_as(0.5f * gi * (1.f + tanh_poly_exp(v)), o) * load(u, i));
     }
 }
 
