@@ -25,17 +25,22 @@ def qwen3_gguf(make_hf_model, tiny_tokenizer_dir, tmp_path_factory):  # head_dim
                               tmp_path_factory.mktemp("q8kv") / "qwen3.gguf", "Q8_0")
 
 
-@pytest.fixture(scope="module")
-def wide_gguf(tiny_tokenizer_dir, tmp_path_factory):
-    """head_dim 64: k and v rotated before they are quantised (a Llama with q/k/v bias: Qwen2's outliers)."""
+def tiny_qwen2(tiny_tokenizer_dir, head_dim: int, seed: int):
+    """A random 2-layer Qwen2 (q/k/v bias) with two query heads of head_dim over one kv head."""
     import transformers as tf
 
     tok = tf.AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
-    cfg = tf.Qwen2Config(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    cfg = tf.Qwen2Config(vocab_size=len(tok), hidden_size=2 * head_dim, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
                          rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, rope_theta=1000000.0)
-    torch.manual_seed(0)
-    model = tf.Qwen2ForCausalLM(cfg).eval()
+    torch.manual_seed(seed)
+    return tf.Qwen2ForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def wide_gguf(tiny_tokenizer_dir, tmp_path_factory):
+    """head_dim 64: k and v rotated before they are quantised (a Llama with q/k/v bias: Qwen2's outliers)."""
+    model = tiny_qwen2(tiny_tokenizer_dir, 64, seed=0)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("k_proj.bias"):
@@ -46,15 +51,8 @@ def wide_gguf(tiny_tokenizer_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def odd_gguf(tiny_tokenizer_dir, tmp_path_factory):
     """head_dim 96 (Phi-3 mini's): three q8_0 blocks a head, not rotated (64 does not divide it)."""
-    import transformers as tf
-
-    tok = tf.AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
-    cfg = tf.Qwen2Config(vocab_size=len(tok), hidden_size=192, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                         rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, rope_theta=1000000.0)
-    torch.manual_seed(1)
-    model = tf.Qwen2ForCausalLM(cfg).eval()
-    return write_gguf_from_hf(model, tiny_tokenizer_dir, tmp_path_factory.mktemp("q8kv") / "odd.gguf", "Q8_0")
+    return write_gguf_from_hf(tiny_qwen2(tiny_tokenizer_dir, 96, seed=1), tiny_tokenizer_dir,
+                              tmp_path_factory.mktemp("q8kv") / "odd.gguf", "Q8_0")
 
 
 @pytest.fixture(params=["qwen3", "wide", "odd"])
