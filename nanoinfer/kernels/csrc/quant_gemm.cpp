@@ -20,10 +20,11 @@
 //   q8_0 (Q8_0, Q4_0, Q5_0)  per 32 values d = max|x| / 127 and int8 q = rint(x / d), and the
 //                            integer sum(q) (what a repacked kernel takes off for an offset weight)
 //   q8_1 (Q4_1, Q5_1)        q8_0 plus s = d * sum(q) (the weight's min times s)
-//   q8_K32, q8_K16 (Q4_K, Q5_K; Q6_K)  per 256 values one d, int8 q, and the sums of q per 32
-//                            (Q4_K, Q5_K: times the sub-block mins) or per 16 (Q6_K: its -32);
-//                            q8_K16 also -32 times the sums of the even and of the odd pairs of
-//                            q per 16 values (po: the -32 as the AVX2 Q6_K tile's int16 lanes take it)
+//   q8_K32 (Q4_K, Q5_K)      per 256 values one d, int8 q, and the sums of q per 32 (times the
+//                            sub-block mins)
+//   q8_K16 (Q6_K)            per 256 values one d, int8 q, and its -32 times the sums of q per 16
+//                            values (qo: where the AVX-512 tile's int32 chains start) and per
+//                            even and per odd pairs of them (po: where the AVX2 tile's int16 lanes start)
 // (d and s stay fp32 where llama.cpp rounds them to fp16.) F32, F16 and BF16 weights take the
 // fp32 activations as they are (f32), converting 16-bit weights on the fly.
 //
@@ -89,10 +90,11 @@ bool have_avx512() { return false; }
 
 // One row in blocks of B values: d[b] = max|x| / 127, q = rint(x * 127 / max|x|) (ties to
 // even), s[b] = d[b] * sum(q) when s is given, xsum[b] = sum(q) when xsum is given, bs = sums
-// of q per `group` values when given, po (per 16 values: -32 times the sum of the pairs of q at
-// 4v, 4v + 1 and, next, of those at 4v + 2, 4v + 3, v = 0..3; within +-32 * 8 * 127) when given.
+// of q per 32 values when given, and per 16 values when given: po (-32 times the sum of the
+// pairs of q at 4v, 4v + 1 and, next, of those at 4v + 2, 4v + 3, v = 0..3; within
+// +-32 * 8 * 127) and qo (-32 times the sum of the 16).
 void quantize_row(const float* x, int64_t K, int64_t B, int8_t* q, float* d, float* s, int32_t* xsum, int16_t* bs,
-                  int64_t group, int16_t* po) {
+                  int16_t* po, int32_t* qo) {
     for (int64_t b = 0; b < K / B; b++) {
         const float* xb = x + b * B;
         int8_t* qb = q + b * B;
@@ -112,18 +114,20 @@ void quantize_row(const float* x, int64_t K, int64_t B, int8_t* q, float* d, flo
             if (xsum) xsum[b] = sum;
         }
         if (bs)
-            for (int64_t g = 0; g < B / group; g++) {
+            for (int64_t g = 0; g < B / 32; g++) {
                 int32_t sum = 0;
-                for (int64_t i = 0; i < group; i++) sum += qb[g * group + i];
-                bs[b * (B / 16) + g] = int16_t(sum);  // a block's sums 16 apart, whatever the group
+                for (int64_t i = 0; i < 32; i++) sum += qb[32 * g + i];
+                bs[b * (B / 16) + g] = int16_t(sum);  // a block's sums 16 apart
             }
         if (po)
-            for (int64_t g = 0; g < B / 16; g++)
+            for (int64_t g = 0; g < B / 16; g++) {
+                int32_t pair[2] = {0, 0};
                 for (int p = 0; p < 2; p++) {
-                    int32_t sum = 0;
-                    for (int v = 0; v < 4; v++) sum += qb[16 * g + 4 * v + 2 * p] + qb[16 * g + 4 * v + 2 * p + 1];
-                    po[b * (B / 8) + 2 * g + p] = int16_t(-32 * sum);
+                    for (int v = 0; v < 4; v++) pair[p] += qb[16 * g + 4 * v + 2 * p] + qb[16 * g + 4 * v + 2 * p + 1];
+                    po[b * (B / 8) + 2 * g + p] = int16_t(-32 * pair[p]);
                 }
+                qo[b * (B / 16) + g] = -32 * (pair[0] + pair[1]);
+            }
     }
 }
 
@@ -181,24 +185,25 @@ void drive(const Ctx& c, RowsFn fn) {
 }
 
 // Where the quantised activations of M rows lie in one buffer: int8 values, then a scale per
-// block, then (q8_1) d * sum(q) per block, then (q8_0) sum(q) per block, then (q8_K) sums of
-// q per 16 values, then (q8_K16) po, 2 per 16 values.
+// block, then (q8_1) d * sum(q) per block, then (q8_0) sum(q) per block, then (q8_K32) sums of
+// q per 32 values (16 slots a block), then (q8_K16) po, 2 per 16 values, and qo, 1 per 16 values.
 struct Acts {
-    int64_t nq, nd, nbs, npo;  // 8-byte words of each part
+    int64_t nq, nd, nbs, npo, nqo;  // 8-byte words of each part
     bool with_s, with_xsum, with_bs, with_po;
     Acts(int qtype, int64_t M, int64_t K) {
         const ActsFormat f = acts_of(qtype);
         const int64_t B = acts_block(f);
         with_s = f == ActsFormat::q8_1;
         with_xsum = f == ActsFormat::q8_0;
-        with_bs = f == ActsFormat::q8_K32 || f == ActsFormat::q8_K16;
+        with_bs = f == ActsFormat::q8_K32;
         with_po = f == ActsFormat::q8_K16;
         nq = B > 1 ? (M * K + 7) / 8 : 0;
         nd = B > 1 ? (M * (K / B) + 1) / 2 : 0;
         nbs = with_bs ? (M * K / 16 + 3) / 4 : 0;
         npo = with_po ? (M * K / 8 + 3) / 4 : 0;
+        nqo = with_po ? (M * K / 16 + 1) / 2 : 0;
     }
-    int64_t words() const { return nq + nd * ((with_s ? 2 : 1) + (with_xsum ? 1 : 0)) + nbs + npo; }
+    int64_t words() const { return nq + nd * ((with_s ? 2 : 1) + (with_xsum ? 1 : 0)) + nbs + npo + nqo; }
 };
 
 // c's activation pointers into `acts`, a buffer of M rows laid out as Acts(qtype, M, K), at its row m0.
@@ -211,6 +216,7 @@ void point_acts(Ctx& c, int qtype, int64_t M, void* acts, int64_t m0) {
     c.xsum = a.with_xsum ? reinterpret_cast<const int32_t*>(p + a.nq + a.nd) + m0 * c.nb : nullptr;
     c.bs = a.with_bs ? reinterpret_cast<const int16_t*>(p + a.nq + a.nd) + m0 * c.nb * 16 : nullptr;
     c.po = a.with_po ? reinterpret_cast<const int16_t*>(p + a.nq + a.nd + a.nbs) + m0 * c.nb * 32 : nullptr;
+    c.qo = a.with_po ? reinterpret_cast<const int32_t*>(p + a.nq + a.nd + a.nbs + a.npo) + m0 * c.nb * 16 : nullptr;
 }
 
 // x's M rows quantised into `acts` as qtype's activation format, the rows split among the team.
@@ -220,14 +226,14 @@ void quantise_team(int qtype, const float* x, int64_t M, int64_t K, void* acts) 
     Ctx c{};
     c.K = K, c.nb = K / block_values(qtype);
     point_acts(c, qtype, M, acts, 0);
-    const int64_t group = f == ActsFormat::q8_K16 ? 16 : 32;
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++)
         quantize_row(x + m * K, K, block_values(qtype), const_cast<int8_t*>(c.q) + m * K, const_cast<float*>(c.d) + m * c.nb,
                      c.s ? const_cast<float*>(c.s) + m * c.nb : nullptr,
                      c.xsum ? const_cast<int32_t*>(c.xsum) + m * c.nb : nullptr,
-                     c.bs ? const_cast<int16_t*>(c.bs) + m * c.nb * 16 : nullptr, group,
-                     c.po ? const_cast<int16_t*>(c.po) + m * c.nb * 32 : nullptr);
+                     c.bs ? const_cast<int16_t*>(c.bs) + m * c.nb * 16 : nullptr,
+                     c.po ? const_cast<int16_t*>(c.po) + m * c.nb * 32 : nullptr,
+                     c.qo ? const_cast<int32_t*>(c.qo) + m * c.nb * 16 : nullptr);
 }
 
 // The checks every linear makes, the same on every thread (they depend on the arguments only);
@@ -246,7 +252,7 @@ Ctx linear_ctx(int qtype, const float* x, int64_t M, int64_t K, const uint8_t* w
                const float* bias, float* y, int64_t ldy) {
     const int64_t nb = K / block_values(qtype);
     nanoinfer::SidePrefetch& side = nanoinfer::side_prefetch();
-    return Ctx{M, K, N, nb, nb * block_bytes(qtype), w, x, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, bias, y, ldy,
+    return Ctx{M, K, N, nb, nb * block_bytes(qtype), w, x, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, bias, y, ldy,
                M <= nanoinfer::kStreamRows, repacked ? N - N % interleave_of(qtype) : 0, side.pending() ? &side : nullptr};
 }
 

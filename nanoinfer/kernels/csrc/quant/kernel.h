@@ -101,8 +101,9 @@ inline float hsum8(const float* a) {
 }
 
 // Everything one call works on. Activation row m: q + m * K, d, s and xsum + m * nb, bs + m * nb * 16
-// (sums of q per 16 values for q8_K16, per 32 for q8_K32: 8 used of 16), po + m * nb * 32
-// (q8_K16: per 16 values, -32 times the sums of their even and odd pairs; quantize_row).
+// (q8_K32: sums of q per 32 values, 8 used of 16), and for q8_K16 po + m * nb * 32 (per 16 values,
+// -32 times the sums of their even and odd pairs) and qo + m * nb * 16 (-32 times the sum of q per
+// 16 values); quantize_row.
 struct Ctx {
     int64_t M, K, N, nb, rb;  // nb: weight blocks per row; rb: bytes per weight row
     const uint8_t* w;
@@ -112,6 +113,7 @@ struct Ctx {
     const float* s;
     const int16_t* bs;
     const int16_t* po;
+    const int32_t* qo;
     const int32_t* xsum;      // q8_0: sum(q) per block (the repacked kernels' offset for Q4_0, Q5_0, Q8_0)
     const float* bias;
     float* y;
@@ -144,19 +146,21 @@ inline void split_rows(const Tile& tile, int64_t m0, int mt) {
 }
 
 // One activation row, as a type's dot (types.def) takes it: x in fp32 (acts f32), or q in
-// int8 with d a scale per block, s = d * sum(q) per block (q8_1) and bs, 16 per block, the
-// sums of q per 16 values (q8_K16) or per 32 (q8_K32: the first 8); what a format lacks is null.
+// int8 with d a scale per block, s = d * sum(q) per block (q8_1), bs, 16 per block, the sums of
+// q per 32 values (q8_K32: the first 8) and qo, 16 per block, -32 times the sums of q per 16
+// values (q8_K16); what a format lacks is null.
 struct ActsRow {
     const float* x;
     const int8_t* q;
     const float* d;
     const float* s;
     const int16_t* bs;
+    const int32_t* qo;
 };
 
 inline ActsRow acts_row(const Ctx& c, int64_t m) {
     return {c.x ? c.x + m * c.K : nullptr, c.q ? c.q + m * c.K : nullptr, c.d ? c.d + m * c.nb : nullptr,
-            c.s ? c.s + m * c.nb : nullptr, c.bs ? c.bs + m * c.nb * 16 : nullptr};
+            c.s ? c.s + m * c.nb : nullptr, c.bs ? c.bs + m * c.nb * 16 : nullptr, c.qo ? c.qo + m * c.nb * 16 : nullptr};
 }
 
 }  // namespace

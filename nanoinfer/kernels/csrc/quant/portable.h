@@ -156,12 +156,14 @@ float dot32(const uint8_t* w, int64_t nb, const ActsRow& a) {
     return acc;
 }
 
-// K-quants, per output: one chain of fused multiply-adds over the 256-blocks. Per block the exact
-// integers: isum, each sub-block's integer dot times its scale (Q6_K: its -32 taken off through
-// the sums of x per 16 values), and (Q4_K, Q5_K) msum, the mins times the sums of x per 32
-// values; the chain adds -(dmin_w * d_x) * msum, then (d_w * d_x) * isum.
+// K-quants, per output: one chain of fused multiply-adds over the 256-blocks. Per block b the
+// exact integers: isum, each sub-block's integer dot times its scale (Q6_K: its -32 taken off
+// through qo, -32 times the sums of x per 16 values), and (Q4_K, Q5_K) msum, the mins times the
+// sums of x per 32 values; the chain adds -(dmin_w * d_x) * msum, then (d_w * d_x) * isum.
 template <int T>
-inline float blockk_step(const uint8_t* blk, const int8_t* xb, float dx, const int16_t* sb, float acc) {
+inline float blockk_step(const uint8_t* blk, const ActsRow& a, int64_t b, float acc) {
+    const int8_t* xb = a.q + b * QK;
+    const float dx = a.d[b];
     uint8_t q[QK];
     decode256<T>(blk, q);
     int32_t isum = 0;
@@ -170,7 +172,7 @@ inline float blockk_step(const uint8_t* blk, const int8_t* xb, float dx, const i
         for (int g = 0; g < 16; g++) {
             int32_t p = 0;
             for (int l = 0; l < 16; l++) p += int32_t(q[16 * g + l]) * xb[16 * g + l];
-            isum += sc[g] * (p - 32 * sb[g]);
+            isum += sc[g] * (p + a.qo[b * 16 + g]);
         }
         return madd(f16(rd16(blk + 208)) * dx, float(isum), acc);
     } else {
@@ -181,7 +183,7 @@ inline float blockk_step(const uint8_t* blk, const int8_t* xb, float dx, const i
             int32_t p = 0;
             for (int l = 0; l < 32; l++) p += int32_t(q[32 * j + l]) * xb[32 * j + l];
             isum += sc[j] * p;
-            msum += mn[j] * sb[j];
+            msum += mn[j] * a.bs[b * 16 + j];
         }
         acc = madd(-(f16(rd16(blk + 2)) * dx), float(msum), acc);
         return madd(f16(rd16(blk)) * dx, float(isum), acc);
@@ -191,7 +193,7 @@ inline float blockk_step(const uint8_t* blk, const int8_t* xb, float dx, const i
 template <int T>
 float dotk(const uint8_t* w, int64_t nb, const ActsRow& a) {
     float acc = 0.f;
-    for (int64_t b = 0; b < nb; b++) acc = blockk_step<T>(w + b * block_bytes(T), a.q + b * QK, a.d[b], a.bs + b * 16, acc);
+    for (int64_t b = 0; b < nb; b++) acc = blockk_step<T>(w + b * block_bytes(T), a, b, acc);
     return acc;
 }
 
@@ -234,7 +236,7 @@ void rows_portable_grouped(const Ctx& c, int64_t n0, int cols, int64_t m0, int m
             for (int64_t b = 0; b < c.nb; b++) {
                 stored_block<T>(c.w, c.rb, c.grouped, n, b, blk);
                 if constexpr (block_values(T) == 32) acc = block32_step<T>(blk, a.q + b * 32, a.d[b], a.s ? a.s[b] : 0.f, acc);
-                else acc = blockk_step<T>(blk, a.q + b * QK, a.d[b], a.bs + b * 16, acc);
+                else acc = blockk_step<T>(blk, a, b, acc);
             }
             c.y[m * c.ldy + n] = c.bias ? acc + c.bias[n] : acc;
         }

@@ -167,7 +167,7 @@ QG_AVX2 void group32_avx2(const Ctx& c, int64_t n, int64_t m0) {
 
 // vpshufb patterns, per 32-bit lane (row) of a vector holding 4 bytes per row: byte k as two
 // int16 (zero-extended: kByte16[k]; in the high halves, for an arithmetic shift to sign-extend
-// it: kByteHi16[k]), and bytes k, k + 1 as an int16 pair (kPair16[k / 2]; high halves: kPairHi16).
+// it: kByteHi16[k]), and bytes k, k + 1 as an int16 pair (kPair16[k / 2]).
 #define QG_LANES(a, b, c, d) a, b, c, d, 4 + a, 4 + b, 4 + c, 4 + d, 8 + a, 8 + b, 8 + c, 8 + d, 12 + a, 12 + b, 12 + c, 12 + d
 alignas(32) const uint8_t kByte16[4][32] = {
 #define QG_B(k) {QG_LANES(k, 0x80, k, 0x80), QG_LANES(k, 0x80, k, 0x80)}
@@ -181,9 +181,6 @@ alignas(32) const uint8_t kByteHi16[4][32] = {
 };
 alignas(32) const uint8_t kPair16[2][32] = {
     {QG_LANES(0, 0x80, 1, 0x80), QG_LANES(0, 0x80, 1, 0x80)}, {QG_LANES(2, 0x80, 3, 0x80), QG_LANES(2, 0x80, 3, 0x80)},
-};
-alignas(32) const uint8_t kPairHi16[2][32] = {
-    {QG_LANES(0x80, 0, 0x80, 1), QG_LANES(0x80, 0, 0x80, 1)}, {QG_LANES(0x80, 2, 0x80, 3), QG_LANES(0x80, 2, 0x80, 3)},
 };
 alignas(32) const uint8_t kByte32[4][32] = {  // byte k as the lane's int32, zero-extended
 #define QG_B(k) {QG_LANES(k, 0x80, 0x80, 0x80), QG_LANES(k, 0x80, 0x80, 0x80)}
@@ -207,20 +204,23 @@ QG_AVX2 inline __m256i qh_bit(__m256i h, int j) {
     return _mm256_and_si256(b, _mm256_set1_epi8(16));
 }
 
-// The activation rows of a K-quant tile (row i is m0 + i): values, scales, the sums per 16
-// values, and (q8_K16) Q6_K's offsets per 16 values (Ctx::po), else null.
+// The activation rows of a K-quant tile (row i is m0 + i): values, scales, and the sums per 32
+// values (q8_K32) or Q6_K's offsets per 16 values as int16 pairs and as int32 (q8_K16: Ctx::po
+// and Ctx::qo); what the format lacks is null.
 template <int R>
 struct KActs {
     const int8_t* xq[R];
     const float* xd[R];
     const int16_t* xb[R];
     const int16_t* xo[R];
+    const int32_t* xqo[R];
     QG_AVX2 KActs(const Ctx& c, int64_t m0) {
         for (int i = 0; i < R; i++) {
             xq[i] = c.q + (m0 + i) * c.K;
             xd[i] = c.d + (m0 + i) * c.nb;
-            xb[i] = c.bs + (m0 + i) * c.nb * 16;
+            xb[i] = c.bs ? c.bs + (m0 + i) * c.nb * 16 : nullptr;
             xo[i] = c.po ? c.po + (m0 + i) * c.nb * 32 : nullptr;
+            xqo[i] = c.qo ? c.qo + (m0 + i) * c.nb * 16 : nullptr;
         }
     }
 };

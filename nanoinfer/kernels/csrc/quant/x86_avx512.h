@@ -281,24 +281,6 @@ QG_AVX512 inline void sub_k_mins(VecF<G>* acc, const KScales* ks, const KActs<R>
     }
 }
 
-// Q6_K's offset: isum[i] minus 32 times row i's sum_g scale g * (the sum of x over group g), for
-// G groups, a row at a time on their lanes at once (as sub_k_mins; the AVX2 tile starts its int16
-// sums from po instead).
-template <int G, int R>
-QG_AVX512 inline void sub_q6_offsets(VecI<G>* isum, const Q6Scales* sc, const KActs<R>& x, int64_t b) {
-    VecI<G> scp[8];
-    for (int p = 0; p < 8; p++) {
-        __m256i part[G];
-        for (int k = 0; k < G; k++) part[k] = _mm256_srai_epi16(pick_bytes(sc[k].S[p / 2], kPairHi16[p % 2]), 8);
-        scp[p] = join<G>(part);
-    }
-    for (int i = 0; i < R; i++) {
-        VecI<G> off = v_madd16(scp[0], x.xb[i] + b * 16);
-        for (int p = 1; p < 8; p++) off = v_add(off, v_madd16(scp[p], x.xb[i] + b * 16 + 2 * p));
-        isum[i] = v_sub(isum[i], v_slli32(off, 5));
-    }
-}
-
 // isum[i] += p[i] * scale j (each group's KScales scale32).
 template <int G, int R, class Scales>
 QG_AVX512 inline void add_scaled_one(VecI<G>* isum, const VecI<G>* p, const Scales* sc, int j) {
@@ -323,9 +305,9 @@ constexpr bool kTallTile = T == Q4_K && G == 2;
 // K-quants in the repacked layout with vpdpbusd: groupk_avx2's outputs for G groups (rows n ..
 // n + 8G - 1). Each lane sums a sub-block's 32 (Q6_K: a group's 16) products u8 x s8 straight
 // into int32, with no int16 partial sums, and vpmulld by the row's scale makes the integer that
-// vpmaddwd makes there; the mins, Q6_K's -32 (their integers from groupk_avx2's helpers) and
-// the float steps are groupk_avx2's, lane by lane. So the paths agree bit for bit (the integer
-// sums in any order). A row keeps two chains of sums, the two sub-blocks (Q6_K: groups) that
+// vpmaddwd makes there; the mins (their integers from groupk_avx2's helpers) and the float steps
+// are groupk_avx2's, lane by lane, and Q6_K's group sums start from its -32 (Ctx::qo, as the AVX2
+// tile's start from po). So the paths agree bit for bit (the integer sums in any order). A row keeps two chains of sums, the two sub-blocks (Q6_K: groups) that
 // one pass over a stretch of the weights' bytes meets, so each weight vector is unpacked once
 // and vpdpbusd's latency never leaves a one-row tile waiting on one chain; a kTallTile tile of
 // 5 to 8 rows keeps one (a sub-block at a time) so that all its rows' sums fit the registers, and
@@ -355,7 +337,10 @@ QG_AVX512 void groupk_avx512(const Ctx& c, int64_t n, int64_t m0) {
                 for (int t = 0; t < 4; t++) {  // values 128h + 32t + (0..31): groups g and g + 1
                     const int g = 8 * h + 2 * t;
                     I p0[R], p1[R];
-                    for (int i = 0; i < R; i++) p0[i] = p1[i] = I{};
+                    for (int i = 0; i < R; i++) {  // each chain from its group's -32 x sum(x) on
+                        p0[i] = v_set1(x.xqo[i][16 * b + g], I{});
+                        p1[i] = v_set1(x.xqo[i][16 * b + g + 1], I{});
+                    }
 #pragma GCC unroll 4
                     for (int v = 0; v < 4; v++) {
                         const I w0 = q6_weights_of<G>(gb, h, t, v), w1 = q6_weights_of<G>(gb, h, t, v + 4);
@@ -367,7 +352,6 @@ QG_AVX512 void groupk_avx512(const Ctx& c, int64_t n, int64_t m0) {
                     }
                     add_scaled_pair<G, R>(isum, p0, p1, sc, g);
                 }
-            sub_q6_offsets<G, R>(isum, sc, x, b);
             const F dv = halves_of<G>(gb, L::q6_d);
             for (int i = 0; i < R; i++) acc[i] = v_fma(acc[i], dv, x.xd[i] + b, isum[i]);
         } else {
