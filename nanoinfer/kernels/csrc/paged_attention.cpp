@@ -188,17 +188,16 @@ inline void dots_heads(const float* q, const T* rows, int64_t stride, int64_t n,
             }
         }
         for (int g = 0; g < NG; g++) {
-            alignas(32) float sums[8];
-            if constexpr (R == 8) {
-                _mm256_store_ps(sums, hsum8x8(a[g]));
-            } else {
-                for (int j0 = 0; j0 < R; j0 += 4) {
-                    __m256 four[4];
-                    for (int j = 0; j < 4; j++) four[j] = j0 + j < R ? a[g][j0 + j] : a[g][0];
-                    _mm_store_ps(sums + j0, hsum4x8(four));
-                }
+            float* o = out + g * out_step + i;
+            if (rn == R) {  // a full group: its R scores stored at once
+                if constexpr (R == 8) _mm256_storeu_ps(o, hsum8x8(a[g]));
+                else _mm_storeu_ps(o, hsum4x8(a[g]));
+                continue;
             }
-            for (int64_t j = 0; j < rn; j++) out[g * out_step + i + j] = sums[j];
+            alignas(32) float sums[8];
+            if constexpr (R == 8) _mm256_store_ps(sums, hsum8x8(a[g]));
+            else _mm_store_ps(sums, hsum4x8(a[g]));
+            for (int64_t j = 0; j < rn; j++) o[j] = sums[j];
         }
     }
 }
