@@ -119,14 +119,13 @@ void quantize_row(const float* x, int64_t K, int64_t B, int8_t* q, float* d, flo
                 for (int64_t i = 0; i < 32; i++) sum += qb[32 * g + i];
                 bs[b * (B / 16) + g] = int16_t(sum);  // a block's sums 16 apart
             }
-        if (po)
+        if (po || qo)
             for (int64_t g = 0; g < B / 16; g++) {
                 int32_t pair[2] = {0, 0};
-                for (int p = 0; p < 2; p++) {
+                for (int p = 0; p < 2; p++)
                     for (int v = 0; v < 4; v++) pair[p] += qb[16 * g + 4 * v + 2 * p] + qb[16 * g + 4 * v + 2 * p + 1];
-                    po[b * (B / 8) + 2 * g + p] = int16_t(-32 * pair[p]);
-                }
-                qo[b * (B / 16) + g] = -32 * (pair[0] + pair[1]);
+                if (po) po[b * (B / 8) + 2 * g] = int16_t(-32 * pair[0]), po[b * (B / 8) + 2 * g + 1] = int16_t(-32 * pair[1]);
+                if (qo) qo[b * (B / 16) + g] = -32 * (pair[0] + pair[1]);
             }
     }
 }

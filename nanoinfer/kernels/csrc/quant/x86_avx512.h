@@ -306,13 +306,14 @@ constexpr bool kTallTile = T == Q4_K && G == 2;
 // n + 8G - 1). Each lane sums a sub-block's 32 (Q6_K: a group's 16) products u8 x s8 straight
 // into int32, with no int16 partial sums, and vpmulld by the row's scale makes the integer that
 // vpmaddwd makes there; the mins (their integers from groupk_avx2's helpers) and the float steps
-// are groupk_avx2's, lane by lane, and Q6_K's group sums start from its -32 (Ctx::qo, as the AVX2
-// tile's start from po). So the paths agree bit for bit (the integer sums in any order). A row keeps two chains of sums, the two sub-blocks (Q6_K: groups) that
-// one pass over a stretch of the weights' bytes meets, so each weight vector is unpacked once
-// and vpdpbusd's latency never leaves a one-row tile waiting on one chain; a kTallTile tile of
-// 5 to 8 rows keeps one (a sub-block at a time) so that all its rows' sums fit the registers, and
-// unpacks each weight vector once for every row where a 4-row tile and one for the rest would
-// unpack it twice. The integers are the same sums either way.
+// are groupk_avx2's, lane by lane, and Q6_K's group sums start from its -32 (Ctx::qo, as the
+// AVX2 tile's start from po). So the paths agree bit for bit (the integer sums in any order). A
+// row keeps two chains of sums, the two sub-blocks (Q6_K: groups) that one pass over a stretch of
+// the weights' bytes meets, so each weight vector is unpacked once and vpdpbusd's latency never
+// leaves a one-row tile waiting on one chain; a kTallTile tile of 5 to 8 rows keeps one (a
+// sub-block at a time) so that all its rows' sums fit the registers, and unpacks each weight
+// vector once for every row where a 4-row tile and one for the rest would unpack it twice. The
+// integers are the same sums either way.
 template <int T, int R, bool PF, int G>
 QG_AVX512 void groupk_avx512(const Ctx& c, int64_t n, int64_t m0) {
     using L = PackedK<T>;
