@@ -227,38 +227,37 @@ inline void weighted_heads(const float* p, int64_t p_step, const T* rows, int64_
     }
 }
 
-// The weighted values of query heads [h0, h1) (G to a kv head, kv head hk0 first) over n rows:
-// each kv head's query heads three at a time.
-template <int D, typename T>
-inline void weighted_all(const float* s, int64_t S, const T* rows, int64_t stride, int64_t step, int64_t n, int64_t h0,
-                         int64_t h1, int64_t G, int64_t hk0, float* acc) {
+// Query heads [h0, h1), G to a kv head, in the groups that dots_heads and weighted_heads take:
+// each kv head's heads six or four at a time (kWideHeads), else three, then the rest.
+// fn(std::integral_constant<int, NG>, h, hk) for each group of NG heads from h, of kv head hk.
+template <typename Fn>
+inline void for_head_groups(int64_t h0, int64_t h1, int64_t G, Fn fn) {
     for (int64_t h = h0; h < h1;) {
         const int64_t hk = h / G, left = std::min<int64_t>((hk + 1) * G, h1) - h;
-        const T* r = rows + (hk - hk0) * step;
-        if (kWideHeads && left >= 6) weighted_heads<D, 6>(s + h * S, S, r, stride, n, acc + h * D, D), h += 6;
-        else if (kWideHeads && left >= 4) weighted_heads<D, 4>(s + h * S, S, r, stride, n, acc + h * D, D), h += 4;
-        else if (left >= 3) weighted_heads<D, 3>(s + h * S, S, r, stride, n, acc + h * D, D), h += 3;
-        else if (left == 2) weighted_heads<D, 2>(s + h * S, S, r, stride, n, acc + h * D, D), h += 2;
-        else weighted_heads<D, 1>(s + h * S, S, r, stride, n, acc + h * D, D), h += 1;
+        if (kWideHeads && left >= 6) fn(std::integral_constant<int, 6>{}, h, hk), h += 6;
+        else if (kWideHeads && left >= 4) fn(std::integral_constant<int, 4>{}, h, hk), h += 4;
+        else if (left >= 3) fn(std::integral_constant<int, 3>{}, h, hk), h += 3;
+        else if (left == 2) fn(std::integral_constant<int, 2>{}, h, hk), h += 2;
+        else fn(std::integral_constant<int, 1>{}, h, hk), h += 1;
     }
 }
 
-// The scores of query heads [h0, h1), G to a kv head (kv head hk0 first), over n rows of keys:
-// each kv head's query heads three at a time.
+// The weighted values of query heads [h0, h1) (G to a kv head, kv head hk0 first) over n rows.
+template <int D, typename T>
+inline void weighted_all(const float* s, int64_t S, const T* rows, int64_t stride, int64_t step, int64_t n, int64_t h0,
+                         int64_t h1, int64_t G, int64_t hk0, float* acc) {
+    for_head_groups(h0, h1, G, [&](auto ng, int64_t h, int64_t hk) {
+        weighted_heads<D, decltype(ng)::value>(s + h * S, S, rows + (hk - hk0) * step, stride, n, acc + h * D, D);
+    });
+}
+
+// The scores of query heads [h0, h1), G to a kv head (kv head hk0 first), over n rows of keys.
 template <int D, typename T>
 inline void dots_all(const float* qf, const T* rows, int64_t stride, int64_t step, int64_t n, int64_t h0, int64_t h1,
                      int64_t G, int64_t hk0, float* s, int64_t S) {
-    for (int64_t h = h0; h < h1;) {
-        const int64_t hk = h / G, left = std::min<int64_t>((hk + 1) * G, h1) - h;
-        const T* r = rows + (hk - hk0) * step;
-        const float* q = qf + h * D;
-        float* out = s + h * S;
-        if (kWideHeads && left >= 6) dots_heads<D, 6>(q, r, stride, n, out, S), h += 6;
-        else if (kWideHeads && left >= 4) dots_heads<D, 4>(q, r, stride, n, out, S), h += 4;
-        else if (left >= 3) dots_heads<D, 3>(q, r, stride, n, out, S), h += 3;
-        else if (left == 2) dots_heads<D, 2>(q, r, stride, n, out, S), h += 2;
-        else dots_heads<D, 1>(q, r, stride, n, out, S), h += 1;
-    }
+    for_head_groups(h0, h1, G, [&](auto ng, int64_t h, int64_t hk) {
+        dots_heads<D, decltype(ng)::value>(qf + h * D, rows + (hk - hk0) * step, stride, n, s + h * S, S);
+    });
 }
 
 // acc[0..32 NB - 1] += sum_i p[i] * (values d0 .. d0 + 32 NB - 1 of q8_0 row i), NB blocks (1 or 2),
