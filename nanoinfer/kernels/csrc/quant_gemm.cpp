@@ -117,7 +117,7 @@ void quantize_row(const float* x, int64_t K, int64_t B, int8_t* q, float* d, flo
             for (int64_t g = 0; g < B / 32; g++) {
                 int32_t sum = 0;
                 for (int64_t i = 0; i < 32; i++) sum += qb[32 * g + i];
-                bs[b * (B / 16) + g] = int16_t(sum);  // a block's sums 16 apart
+                bs[b * (B / 32) + g] = int16_t(sum);
             }
         if (po || qo)
             for (int64_t g = 0; g < B / 16; g++) {
@@ -185,22 +185,22 @@ void drive(const Ctx& c, RowsFn fn) {
 
 // Where the quantised activations of M rows lie in one buffer: int8 values, then a scale per
 // block, then (q8_1) d * sum(q) per block, then (q8_0) sum(q) per block, then (q8_K32) sums of
-// q per 32 values (16 slots a block), then (q8_K16) po, 2 per 16 values, and qo, 1 per 16 values.
+// q per 32 values, then (q8_K16) po, 2 per 16 values, and qo, 1 per 16 values.
 struct Acts {
     int64_t nq, nd, nbs, npo, nqo;  // 8-byte words of each part
-    bool with_s, with_xsum, with_bs, with_po;
+    bool with_s, with_xsum, with_bs, with_q6;  // with_q6: q8_K16's po and qo
     Acts(int qtype, int64_t M, int64_t K) {
         const ActsFormat f = acts_of(qtype);
         const int64_t B = acts_block(f);
         with_s = f == ActsFormat::q8_1;
         with_xsum = f == ActsFormat::q8_0;
         with_bs = f == ActsFormat::q8_K32;
-        with_po = f == ActsFormat::q8_K16;
+        with_q6 = f == ActsFormat::q8_K16;
         nq = B > 1 ? (M * K + 7) / 8 : 0;
         nd = B > 1 ? (M * (K / B) + 1) / 2 : 0;
-        nbs = with_bs ? (M * K / 16 + 3) / 4 : 0;
-        npo = with_po ? (M * K / 8 + 3) / 4 : 0;
-        nqo = with_po ? (M * K / 16 + 1) / 2 : 0;
+        nbs = with_bs ? (M * K / 32 + 3) / 4 : 0;
+        npo = with_q6 ? (M * K / 8 + 3) / 4 : 0;
+        nqo = with_q6 ? (M * K / 16 + 1) / 2 : 0;
     }
     int64_t words() const { return nq + nd * ((with_s ? 2 : 1) + (with_xsum ? 1 : 0)) + nbs + npo + nqo; }
 };
@@ -213,9 +213,9 @@ void point_acts(Ctx& c, int qtype, int64_t M, void* acts, int64_t m0) {
     c.d = reinterpret_cast<const float*>(p + a.nq) + m0 * c.nb;
     c.s = a.with_s ? reinterpret_cast<const float*>(p + a.nq + a.nd) + m0 * c.nb : nullptr;
     c.xsum = a.with_xsum ? reinterpret_cast<const int32_t*>(p + a.nq + a.nd) + m0 * c.nb : nullptr;
-    c.bs = a.with_bs ? reinterpret_cast<const int16_t*>(p + a.nq + a.nd) + m0 * c.nb * 16 : nullptr;
-    c.po = a.with_po ? reinterpret_cast<const int16_t*>(p + a.nq + a.nd + a.nbs) + m0 * c.nb * 32 : nullptr;
-    c.qo = a.with_po ? reinterpret_cast<const int32_t*>(p + a.nq + a.nd + a.nbs + a.npo) + m0 * c.nb * 16 : nullptr;
+    c.bs = a.with_bs ? reinterpret_cast<const int16_t*>(p + a.nq + a.nd) + m0 * c.nb * kSums32 : nullptr;
+    c.po = a.with_q6 ? reinterpret_cast<const int16_t*>(p + a.nq + a.nd + a.nbs) + m0 * c.nb * 32 : nullptr;
+    c.qo = a.with_q6 ? reinterpret_cast<const int32_t*>(p + a.nq + a.nd + a.nbs + a.npo) + m0 * c.nb * 16 : nullptr;
 }
 
 // x's M rows quantised into `acts` as qtype's activation format, the rows split among the team.
@@ -230,7 +230,7 @@ void quantise_team(int qtype, const float* x, int64_t M, int64_t K, void* acts) 
         quantize_row(x + m * K, K, block_values(qtype), const_cast<int8_t*>(c.q) + m * K, const_cast<float*>(c.d) + m * c.nb,
                      c.s ? const_cast<float*>(c.s) + m * c.nb : nullptr,
                      c.xsum ? const_cast<int32_t*>(c.xsum) + m * c.nb : nullptr,
-                     c.bs ? const_cast<int16_t*>(c.bs) + m * c.nb * 16 : nullptr,
+                     c.bs ? const_cast<int16_t*>(c.bs) + m * c.nb * kSums32 : nullptr,
                      c.po ? const_cast<int16_t*>(c.po) + m * c.nb * 32 : nullptr,
                      c.qo ? const_cast<int32_t*>(c.qo) + m * c.nb * 16 : nullptr);
 }

@@ -100,10 +100,13 @@ inline float hsum8(const float* a) {
     return opaque(t0 + t1);
 }
 
-// Everything one call works on. Activation row m: q + m * K, d, s and xsum + m * nb, bs + m * nb * 16
-// (q8_K32: sums of q per 32 values, 8 used of 16), and for q8_K16 po + m * nb * 32 (per 16 values,
-// -32 times the sums of their even and odd pairs) and qo + m * nb * 16 (-32 times the sum of q per
-// 16 values); quantize_row.
+// q8_K32's sums of q per 32 values: a 256-value block's 8.
+constexpr int64_t kSums32 = 8;
+
+// Everything one call works on. Activation row m: q + m * K, d, s and xsum + m * nb, bs + m * nb *
+// kSums32 (q8_K32: sums of q per 32 values), and for q8_K16 po + m * nb * 32 (per 16 values, -32
+// times the sums of their even and odd pairs) and qo + m * nb * 16 (-32 times the sum of q per 16
+// values); quantize_row.
 struct Ctx {
     int64_t M, K, N, nb, rb;  // nb: weight blocks per row; rb: bytes per weight row
     const uint8_t* w;
@@ -146,9 +149,9 @@ inline void split_rows(const Tile& tile, int64_t m0, int mt) {
 }
 
 // One activation row, as a type's dot (types.def) takes it: x in fp32 (acts f32), or q in
-// int8 with d a scale per block, s = d * sum(q) per block (q8_1), bs, 16 per block, the sums of
-// q per 32 values (q8_K32: the first 8) and qo, 16 per block, -32 times the sums of q per 16
-// values (q8_K16); what a format lacks is null.
+// int8 with d a scale per block, s = d * sum(q) per block (q8_1), bs, kSums32 per block, the sums
+// of q per 32 values (q8_K32), and qo, 16 per block, -32 times the sums of q per 16 values
+// (q8_K16); what a format lacks is null.
 struct ActsRow {
     const float* x;
     const int8_t* q;
@@ -160,7 +163,7 @@ struct ActsRow {
 
 inline ActsRow acts_row(const Ctx& c, int64_t m) {
     return {c.x ? c.x + m * c.K : nullptr, c.q ? c.q + m * c.K : nullptr, c.d ? c.d + m * c.nb : nullptr,
-            c.s ? c.s + m * c.nb : nullptr, c.bs ? c.bs + m * c.nb * 16 : nullptr, c.qo ? c.qo + m * c.nb * 16 : nullptr};
+            c.s ? c.s + m * c.nb : nullptr, c.bs ? c.bs + m * c.nb * kSums32 : nullptr, c.qo ? c.qo + m * c.nb * 16 : nullptr};
 }
 
 }  // namespace

@@ -183,7 +183,7 @@ inline float blockk_step(const uint8_t* blk, const ActsRow& a, int64_t b, float 
             int32_t p = 0;
             for (int l = 0; l < 32; l++) p += int32_t(q[32 * j + l]) * xb[32 * j + l];
             isum += sc[j] * p;
-            msum += mn[j] * a.bs[b * 16 + j];
+            msum += mn[j] * a.bs[b * kSums32 + j];
         }
         acc = madd(-(f16(rd16(blk + 2)) * dx), float(msum), acc);
         return madd(f16(rd16(blk)) * dx, float(isum), acc);

@@ -218,7 +218,7 @@ struct KActs {
         for (int i = 0; i < R; i++) {
             xq[i] = c.q + (m0 + i) * c.K;
             xd[i] = c.d + (m0 + i) * c.nb;
-            xb[i] = c.bs ? c.bs + (m0 + i) * c.nb * 16 : nullptr;
+            xb[i] = c.bs ? c.bs + (m0 + i) * c.nb * kSums32 : nullptr;
             xo[i] = c.po ? c.po + (m0 + i) * c.nb * 32 : nullptr;
             xqo[i] = c.qo ? c.qo + (m0 + i) * c.nb * 16 : nullptr;
         }
@@ -255,7 +255,7 @@ QG_AVX2 inline void k_min_sums(const KScales& ks, const KActs<R>& x, int64_t b, 
     for (int i = 0; i < R; i++) {
         ms[i] = _mm256_setzero_si256();
         for (int p = 0; p < 4; p++) {
-            ms[i] = _mm256_add_epi32(ms[i], _mm256_madd_epi16(mp[p], bcast4(reinterpret_cast<const int8_t*>(x.xb[i] + b * 16 + 2 * p))));
+            ms[i] = _mm256_add_epi32(ms[i], _mm256_madd_epi16(mp[p], bcast4(reinterpret_cast<const int8_t*>(x.xb[i] + b * kSums32 + 2 * p))));
             asm("" : "+x"(ms[i]));
         }
     }

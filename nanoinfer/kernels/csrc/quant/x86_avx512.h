@@ -72,8 +72,6 @@ QG_AVX512 inline __m256i v_sub(__m256i a, __m256i b) { return _mm256_sub_epi32(a
 QG_AVX512 inline __m512i v_sub(__m512i a, __m512i b) { return _mm512_sub_epi32(a, b); }
 QG_AVX512 inline __m256i v_mullo(__m256i a, __m256i b) { return _mm256_mullo_epi32(a, b); }
 QG_AVX512 inline __m512i v_mullo(__m512i a, __m512i b) { return _mm512_mullo_epi32(a, b); }
-QG_AVX512 inline __m256i v_slli32(__m256i a, int k) { return _mm256_slli_epi32(a, k); }
-QG_AVX512 inline __m512i v_slli32(__m512i a, int k) { return _mm512_slli_epi32(a, k); }
 // The int16 pairs of w times the int16 pair at x (broadcast), each lane's two products summed.
 QG_AVX512 inline __m256i v_madd16(__m256i w, const int16_t* x) { return _mm256_madd_epi16(w, bcast4(reinterpret_cast<const int8_t*>(x))); }
 QG_AVX512 inline __m512i v_madd16(__m512i w, const int16_t* x) {
@@ -275,8 +273,8 @@ QG_AVX512 inline void sub_k_mins(VecF<G>* acc, const KScales* ks, const KActs<R>
     }
     const VecF<G> dmv = halves_of<G>(gb, 16);
     for (int i = 0; i < R; i++) {
-        VecI<G> ms = v_madd16(mp[0], x.xb[i] + b * 16);
-        for (int p = 1; p < 4; p++) ms = v_add(ms, v_madd16(mp[p], x.xb[i] + b * 16 + 2 * p));
+        VecI<G> ms = v_madd16(mp[0], x.xb[i] + b * kSums32);
+        for (int p = 1; p < 4; p++) ms = v_add(ms, v_madd16(mp[p], x.xb[i] + b * kSums32 + 2 * p));
         acc[i] = v_fnma(acc[i], dmv, x.xd[i] + b, ms);
     }
 }
