@@ -117,15 +117,15 @@ void quantize_row(const float* x, int64_t K, int64_t B, int8_t* q, float* d, flo
             for (int64_t g = 0; g < B / 32; g++) {
                 int32_t sum = 0;
                 for (int64_t i = 0; i < 32; i++) sum += qb[32 * g + i];
-                bs[b * (B / 32) + g] = int16_t(sum);
+                bs[b * kSums32 + g] = int16_t(sum);
             }
         if (po || qo)
             for (int64_t g = 0; g < B / 16; g++) {
                 int32_t pair[2] = {0, 0};
                 for (int p = 0; p < 2; p++)
                     for (int v = 0; v < 4; v++) pair[p] += qb[16 * g + 4 * v + 2 * p] + qb[16 * g + 4 * v + 2 * p + 1];
-                if (po) po[b * (B / 8) + 2 * g] = int16_t(-32 * pair[0]), po[b * (B / 8) + 2 * g + 1] = int16_t(-32 * pair[1]);
-                if (qo) qo[b * (B / 16) + g] = -32 * (pair[0] + pair[1]);
+                if (po) po[b * kPairs16 + 2 * g] = int16_t(-32 * pair[0]), po[b * kPairs16 + 2 * g + 1] = int16_t(-32 * pair[1]);
+                if (qo) qo[b * kSums16 + g] = -32 * (pair[0] + pair[1]);
             }
     }
 }
@@ -214,8 +214,8 @@ void point_acts(Ctx& c, int qtype, int64_t M, void* acts, int64_t m0) {
     c.s = a.with_s ? reinterpret_cast<const float*>(p + a.nq + a.nd) + m0 * c.nb : nullptr;
     c.xsum = a.with_xsum ? reinterpret_cast<const int32_t*>(p + a.nq + a.nd) + m0 * c.nb : nullptr;
     c.bs = a.with_bs ? reinterpret_cast<const int16_t*>(p + a.nq + a.nd) + m0 * c.nb * kSums32 : nullptr;
-    c.po = a.with_q6 ? reinterpret_cast<const int16_t*>(p + a.nq + a.nd + a.nbs) + m0 * c.nb * 32 : nullptr;
-    c.qo = a.with_q6 ? reinterpret_cast<const int32_t*>(p + a.nq + a.nd + a.nbs + a.npo) + m0 * c.nb * 16 : nullptr;
+    c.po = a.with_q6 ? reinterpret_cast<const int16_t*>(p + a.nq + a.nd + a.nbs) + m0 * c.nb * kPairs16 : nullptr;
+    c.qo = a.with_q6 ? reinterpret_cast<const int32_t*>(p + a.nq + a.nd + a.nbs + a.npo) + m0 * c.nb * kSums16 : nullptr;
 }
 
 // x's M rows quantised into `acts` as qtype's activation format, the rows split among the team.
@@ -231,8 +231,8 @@ void quantise_team(int qtype, const float* x, int64_t M, int64_t K, void* acts) 
                      c.s ? const_cast<float*>(c.s) + m * c.nb : nullptr,
                      c.xsum ? const_cast<int32_t*>(c.xsum) + m * c.nb : nullptr,
                      c.bs ? const_cast<int16_t*>(c.bs) + m * c.nb * kSums32 : nullptr,
-                     c.po ? const_cast<int16_t*>(c.po) + m * c.nb * 32 : nullptr,
-                     c.qo ? const_cast<int32_t*>(c.qo) + m * c.nb * 16 : nullptr);
+                     c.po ? const_cast<int16_t*>(c.po) + m * c.nb * kPairs16 : nullptr,
+                     c.qo ? const_cast<int32_t*>(c.qo) + m * c.nb * kSums16 : nullptr);
 }
 
 // The checks every linear makes, the same on every thread (they depend on the arguments only);

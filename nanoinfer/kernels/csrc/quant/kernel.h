@@ -100,13 +100,14 @@ inline float hsum8(const float* a) {
     return opaque(t0 + t1);
 }
 
-// q8_K32's sums of q per 32 values: a 256-value block's 8.
-constexpr int64_t kSums32 = 8;
+// q8_K32's sums of q per 32 values: a 256-value block's 8. q8_K16's, per 256-value block: po, two
+// per 16 values (kPairs16), and qo, one per 16 values (kSums16).
+constexpr int64_t kSums32 = 8, kPairs16 = 32, kSums16 = 16;
 
 // Everything one call works on. Activation row m: q + m * K, d, s and xsum + m * nb, bs + m * nb *
-// kSums32 (q8_K32: sums of q per 32 values), and for q8_K16 po + m * nb * 32 (per 16 values, -32
-// times the sums of their even and odd pairs) and qo + m * nb * 16 (-32 times the sum of q per 16
-// values); quantize_row.
+// kSums32 (q8_K32: sums of q per 32 values), and for q8_K16 po + m * nb * kPairs16 (per 16 values,
+// -32 times the sums of their even and odd pairs) and qo + m * nb * kSums16 (-32 times the sum of q
+// per 16 values); quantize_row.
 struct Ctx {
     int64_t M, K, N, nb, rb;  // nb: weight blocks per row; rb: bytes per weight row
     const uint8_t* w;
@@ -163,7 +164,7 @@ struct ActsRow {
 
 inline ActsRow acts_row(const Ctx& c, int64_t m) {
     return {c.x ? c.x + m * c.K : nullptr, c.q ? c.q + m * c.K : nullptr, c.d ? c.d + m * c.nb : nullptr,
-            c.s ? c.s + m * c.nb : nullptr, c.bs ? c.bs + m * c.nb * kSums32 : nullptr, c.qo ? c.qo + m * c.nb * 16 : nullptr};
+            c.s ? c.s + m * c.nb : nullptr, c.bs ? c.bs + m * c.nb * kSums32 : nullptr, c.qo ? c.qo + m * c.nb * kSums16 : nullptr};
 }
 
 }  // namespace

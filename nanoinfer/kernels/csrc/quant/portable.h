@@ -172,7 +172,7 @@ inline float blockk_step(const uint8_t* blk, const ActsRow& a, int64_t b, float 
         for (int g = 0; g < 16; g++) {
             int32_t p = 0;
             for (int l = 0; l < 16; l++) p += int32_t(q[16 * g + l]) * xb[16 * g + l];
-            isum += sc[g] * (p + a.qo[b * 16 + g]);
+            isum += sc[g] * (p + a.qo[b * kSums16 + g]);
         }
         return madd(f16(rd16(blk + 208)) * dx, float(isum), acc);
     } else {

@@ -219,8 +219,8 @@ struct KActs {
             xq[i] = c.q + (m0 + i) * c.K;
             xd[i] = c.d + (m0 + i) * c.nb;
             xb[i] = c.bs ? c.bs + (m0 + i) * c.nb * kSums32 : nullptr;
-            xo[i] = c.po ? c.po + (m0 + i) * c.nb * 32 : nullptr;
-            xqo[i] = c.qo ? c.qo + (m0 + i) * c.nb * 16 : nullptr;
+            xo[i] = c.po ? c.po + (m0 + i) * c.nb * kPairs16 : nullptr;
+            xqo[i] = c.qo ? c.qo + (m0 + i) * c.nb * kSums16 : nullptr;
         }
     }
 };
@@ -341,7 +341,7 @@ QG_AVX2 void groupk_avx2(const Ctx& c, int64_t n, int64_t m0) {
                     for (int half = 0; half < 2; half++) {
                         const int group = 8 * h + 2 * t + half;
                         __m256i s[R];  // from the offset on
-                        for (int i = 0; i < R; i++) s[i] = bcast4(reinterpret_cast<const int8_t*>(x.xo[i] + b * 32 + 2 * group));
+                        for (int i = 0; i < R; i++) s[i] = bcast4(reinterpret_cast<const int8_t*>(x.xo[i] + b * kPairs16 + 2 * group));
 #pragma GCC unroll 4
                         for (int u = 0; u < 4; u++) {
                             const int v = 4 * half + u;

@@ -337,8 +337,8 @@ QG_AVX512 void groupk_avx512(const Ctx& c, int64_t n, int64_t m0) {
                     const int g = 8 * h + 2 * t;
                     I p0[R], p1[R];
                     for (int i = 0; i < R; i++) {  // each chain from its group's -32 x sum(x) on
-                        p0[i] = v_set1(x.xqo[i][16 * b + g], I{});
-                        p1[i] = v_set1(x.xqo[i][16 * b + g + 1], I{});
+                        p0[i] = v_set1(x.xqo[i][kSums16 * b + g], I{});
+                        p1[i] = v_set1(x.xqo[i][kSums16 * b + g + 1], I{});
                     }
 #pragma GCC unroll 4
                     for (int v = 0; v < 4; v++) {
