@@ -226,11 +226,13 @@ void quantise_team(int qtype, const float* x, int64_t M, int64_t K, void* acts) 
     c.K = K, c.nb = K / block_values(qtype);
     point_acts(c, qtype, M, acts, 0);
 #pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; m++) {
-        const ActsRow a = acts_row(c, m);
-        quantize_row(x + m * K, K, block_values(qtype), const_cast<int8_t*>(a.q), const_cast<float*>(a.d), const_cast<float*>(a.s),
-                     const_cast<int32_t*>(a.xsum), const_cast<int16_t*>(a.bs), const_cast<int16_t*>(a.po), const_cast<int32_t*>(a.qo));
-    }
+    for (int64_t m = 0; m < M; m++)
+        quantize_row(x + m * K, K, block_values(qtype), const_cast<int8_t*>(c.q) + m * K, const_cast<float*>(c.d) + m * c.nb,
+                     c.s ? const_cast<float*>(c.s) + m * c.nb : nullptr,
+                     c.xsum ? const_cast<int32_t*>(c.xsum) + m * c.nb : nullptr,
+                     c.bs ? const_cast<int16_t*>(c.bs) + m * c.nb * kSums32 : nullptr,
+                     c.po ? const_cast<int16_t*>(c.po) + m * c.nb * kPairs16 : nullptr,
+                     c.qo ? const_cast<int32_t*>(c.qo) + m * c.nb * kSums16 : nullptr);
 }
 
 // The checks every linear makes, the same on every thread (they depend on the arguments only);

@@ -104,8 +104,10 @@ inline float hsum8(const float* a) {
 // per 16 values (kPairs16), and qo, one per 16 values (kSums16).
 constexpr int64_t kSums32 = 8, kPairs16 = 32, kSums16 = 16;
 
-// Everything one call works on. The activation arrays (x or q, d, s, xsum, bs, po, qo) hold
-// all M rows; acts_row(c, m) points into them at row m, and ActsRow says what each holds.
+// Everything one call works on. Activation row m: q + m * K, d, s and xsum + m * nb, bs + m * nb *
+// kSums32 (q8_K32: sums of q per 32 values), and for q8_K16 po + m * nb * kPairs16 (per 16 values,
+// -32 times the sums of their even and odd pairs) and qo + m * nb * kSums16 (-32 times the sum of q
+// per 16 values); quantize_row.
 struct Ctx {
     int64_t M, K, N, nb, rb;  // nb: weight blocks per row; rb: bytes per weight row
     const uint8_t* w;
@@ -147,32 +149,22 @@ inline void split_rows(const Tile& tile, int64_t m0, int mt) {
     for (; mt > 0; m0 += 4, mt -= 4) tile_of_rows<Max>(tile, m0, mt < 4 ? mt : 4);
 }
 
-// One activation row, as a type's dot (types.def) and the tiles take it: x in fp32 (acts f32), or
-// q in int8 with d a scale per block, and per block as the format has them: s = d * sum(q) (q8_1),
-// xsum = sum(q) (q8_0 for the repacked offset types), bs, kSums32 sums of q per 32 values (q8_K32),
-// and for q8_K16 po (per 16 values, -32 times the sums of their even and odd pairs: kPairs16) and
-// qo (-32 times the sum of q per 16 values: kSums16); what the format lacks is null (quantize_row
-// writes them). The one place a row's pointers are worked out from Ctx.
+// One activation row, as a type's dot (types.def) takes it: x in fp32 (acts f32), or q in
+// int8 with d a scale per block, s = d * sum(q) per block (q8_1), bs, kSums32 per block, the sums
+// of q per 32 values (q8_K32), and qo, 16 per block, -32 times the sums of q per 16 values
+// (q8_K16); what a format lacks is null.
 struct ActsRow {
     const float* x;
     const int8_t* q;
     const float* d;
     const float* s;
-    const int32_t* xsum;
     const int16_t* bs;
-    const int16_t* po;
     const int32_t* qo;
 };
 
 inline ActsRow acts_row(const Ctx& c, int64_t m) {
-    return {c.x ? c.x + m * c.K : nullptr,
-            c.q ? c.q + m * c.K : nullptr,
-            c.d ? c.d + m * c.nb : nullptr,
-            c.s ? c.s + m * c.nb : nullptr,
-            c.xsum ? c.xsum + m * c.nb : nullptr,
-            c.bs ? c.bs + m * c.nb * kSums32 : nullptr,
-            c.po ? c.po + m * c.nb * kPairs16 : nullptr,
-            c.qo ? c.qo + m * c.nb * kSums16 : nullptr};
+    return {c.x ? c.x + m * c.K : nullptr, c.q ? c.q + m * c.K : nullptr, c.d ? c.d + m * c.nb : nullptr,
+            c.s ? c.s + m * c.nb : nullptr, c.bs ? c.bs + m * c.nb * kSums32 : nullptr, c.qo ? c.qo + m * c.nb * kSums16 : nullptr};
 }
 
 }  // namespace

@@ -63,8 +63,10 @@ struct GroupRows {
     __m256 acc[R];
     QG_AVX2 GroupRows(const Ctx& c, int64_t m0) {
         for (int i = 0; i < R; i++) {
-            const ActsRow a = acts_row(c, m0 + i);
-            xq[i] = a.q, xd[i] = a.d, xs[i] = a.s, xo[i] = a.xsum;
+            xq[i] = c.q + (m0 + i) * c.K;
+            xd[i] = c.d + (m0 + i) * c.nb;
+            xs[i] = c.s ? c.s + (m0 + i) * c.nb : nullptr;
+            xo[i] = c.xsum ? c.xsum + (m0 + i) * c.nb : nullptr;
             acc[i] = _mm256_setzero_ps();
         }
     }
@@ -214,8 +216,11 @@ struct KActs {
     const int32_t* xqo[R];
     QG_AVX2 KActs(const Ctx& c, int64_t m0) {
         for (int i = 0; i < R; i++) {
-            const ActsRow a = acts_row(c, m0 + i);
-            xq[i] = a.q, xd[i] = a.d, xb[i] = a.bs, xo[i] = a.po, xqo[i] = a.qo;
+            xq[i] = c.q + (m0 + i) * c.K;
+            xd[i] = c.d + (m0 + i) * c.nb;
+            xb[i] = c.bs ? c.bs + (m0 + i) * c.nb * kSums32 : nullptr;
+            xo[i] = c.po ? c.po + (m0 + i) * c.nb * kPairs16 : nullptr;
+            xqo[i] = c.qo ? c.qo + (m0 + i) * c.nb * kSums16 : nullptr;
         }
     }
 };
@@ -401,7 +406,7 @@ QG_AVX2 void tile16_avx2(const Ctx& c, int64_t n, int64_t m0) {
     const float* x[R];
     __m256 a0[R], a1[R];
     for (int i = 0; i < R; i++) {
-        x[i] = acts_row(c, m0 + i).x;
+        x[i] = c.x + (m0 + i) * K;
         a0[i] = a1[i] = _mm256_setzero_ps();
     }
     int64_t k = 0;
