@@ -236,3 +236,43 @@ def test_first_processor_reads_one_block():
 def test_no_vendor_tuning_without_a_vendor_line():
     """An Arm /proc/cpuinfo has no vendor_id: the kernels' defaults."""
     assert cpu_kernels._vendor_flags("processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\n") == []
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(12, 2, 128), (9, 3, 64)])
+def test_rows_that_share_blocks_are_the_same_bits_as_alone(heads, kv_heads, head_dim, kv_dtype):
+    """Rows that read the same blocks (the rows of one sequence in one step, as speculation checks
+    its guesses; sequences that share a prompt's blocks) go to the threads part by part across the
+    rows: each row still equals itself alone, bit for bit, and attention over its own keys."""
+    g = torch.Generator().manual_seed(5)
+    bs, num_blocks = 16, 96
+    k_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=g).to(kv_dtype)
+    v_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=g).to(kv_dtype)
+    order = torch.randperm(num_blocks, generator=g)
+    seq = order[:33]  # one sequence of 513 to 516 keys, four rows in one step
+    other = order[33:52]  # a sequence of 300 keys
+    prompt, tails = order[52:65], order[65:67]  # two sequences sharing 13 blocks of prompt, then their own
+    width = 33
+    tables = torch.zeros(8, width, dtype=torch.long)
+    ctx = [513, 514, 515, 516, 300, 210, 210, 516]
+    for b in (0, 1, 2, 3, 7):
+        tables[b] = seq
+    tables[4, :19] = other
+    for b, tail in ((5, tails[0]), (6, tails[1])):
+        tables[b, :13] = prompt
+        tables[b, 13] = tail
+    ctx_t = torch.tensor(ctx).unsqueeze(1)
+    q = torch.randn(len(ctx), heads, head_dim, generator=g)
+    rows = torch.arange(len(ctx))
+    scale = head_dim ** -0.5
+    together = torch.empty_like(q)
+    cpu_kernels.paged_decode(q, together, rows, k_cache, v_cache, tables, ctx_t, max(ctx), None, scale)
+    for b, n in enumerate(ctx):
+        alone = torch.empty_like(q)
+        cpu_kernels.paged_decode(q, alone, rows[b:b + 1].contiguous(), k_cache, v_cache, tables[b:b + 1].contiguous(),
+                                 ctx_t[b:b + 1].contiguous(), n, None, scale)
+        assert torch.equal(alone[b], together[b]), b
+        keys = k_cache[tables[b]].reshape(-1, kv_heads, head_dim)[:n].float().repeat_interleave(heads // kv_heads, 1)
+        values = v_cache[tables[b]].reshape(-1, kv_heads, head_dim)[:n].float().repeat_interleave(heads // kv_heads, 1)
+        p = torch.softmax(torch.einsum("hd,thd->ht", q[b], keys) * scale, dim=-1)
+        torch.testing.assert_close(together[b], torch.einsum("ht,thd->hd", p, values), atol=2e-5, rtol=1e-4)

@@ -78,6 +78,12 @@ inline void load16(const BF16* r, int64_t i, __m256& a, __m256& b) {
     a = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, x));
     b = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, x));
 }
+// One of load16's two vectors: a (high 0) or b (high 1).
+inline __m256 half16(const float* r, int64_t i, int high) { return _mm256_loadu_ps(r + i + 8 * high); }
+inline __m256 half16(const BF16* r, int64_t i, int high) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + i)), z = _mm256_setzero_si256();
+    return _mm256_castsi256_ps(high ? _mm256_unpackhi_epi16(z, x) : _mm256_unpacklo_epi16(z, x));
+}
 // D values in natural order -> load16's order for T (to: true) or back (false), in place.
 template <typename T>
 inline void lanes16(float* x, int64_t D, bool /*to*/) {
@@ -154,7 +160,7 @@ inline __m128 hsum4x8(const __m256* a) {
 
 // Whether a kv head's query heads go six or four at a time (dots_all, weighted_all): where the
 // compiler has 32 vector registers (AVX-512 VL, even for these 256-bit vectors), 6 heads x 4 keys
-// of sums and the key's two vectors fit them. Against three at a time, on a 2-vCPU Zen 4 (bf16
+// of sums, 4 keys' vectors and a query vector fit them (dots_heads). Against three at a time, on a 2-vCPU Zen 4 (bf16
 // cache, the calls of one layer): 12 query heads over 2 kv heads at D = 128 (Qwen2.5 1.5B) one row
 // at position 513 1.05-1.09x, 4 rows 1.09-1.14x, a 512-row chunk ending at 2048 1.12x; 8 over 2
 // 1.15-1.18x; 14 over 2 at D = 64 (six and one) 1.02-1.10x. Sixteen registers would spill them.
@@ -165,26 +171,40 @@ constexpr bool kWideHeads = false;
 #endif
 
 // Scores of NG query heads (q, q + D, ..., in load16's order) over n rows of one kv head's keys,
-// `stride` elements apart: out[g * out_step + i] = q_g . row i. Each key chunk is loaded (and
-// widened) once for the NG heads; R rows at a time keep NG * R sums in flight. A score is one
-// chain of multiply-adds per lane and hsum8x8's lane sum, whatever NG and R (a short last group
-// recomputes its first row and drops it).
+// `stride` elements apart: out[g * out_step + i] = q_g . row i. R rows at a time keep NG * R sums
+// in flight; they are taken P rows a pass (all R where the registers hold NG * R sums, P rows'
+// key vectors and a query vector), and in a pass each query vector is loaded once for its P
+// products and each key vector once for the NG heads. (Keys one at a time, the compiler made the
+// query a memory operand of every multiply-add, and the loads outnumbered them: this way, 12 query
+// heads over 2 kv heads at D = 128 and 512 keys, a bf16 cache, 28 calls on a 2-vCPU Zen 4 took
+// 0.85-0.87x the time for one row, 0.87-0.90x for four; built for AVX2, three heads and two keys a
+// pass, 0.97-0.99x.) A score is one chain of multiply-adds per lane, in the order of its values,
+// and hsum8x8's lane sum, whatever NG, R and P (a short last group recomputes its first row and
+// drops it).
+template <int NG, int R>
+constexpr int kPassRows = kWideHeads || NG * R + R + 1 <= 16 ? R : NG * R + R / 2 + 1 <= 16 ? R / 2 : 1;
+
 template <int D, int NG, typename T>
 inline void dots_heads(const float* q, const T* rows, int64_t stride, int64_t n, float* out, int64_t out_step) {
-    constexpr int R = NG == 1 ? 8 : 4;
+    constexpr int R = NG == 1 ? 8 : 4, P = kPassRows<NG, R>;
     for (int64_t i = 0; i < n; i += R) {
         const int64_t rn = std::min<int64_t>(R, n - i);
         __m256 a[NG][R];
-        for (int j = 0; j < R; j++) {
-            const T* r = rows + (i + (j < rn ? j : 0)) * stride;
-            __m256 k0, k1;
-            load16(r, 0, k0, k1);
-            for (int g = 0; g < NG; g++) a[g][j] = _mm256_mul_ps(_mm256_loadu_ps(q + g * D), k0);
-            for (int g = 0; g < NG; g++) a[g][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + 8), k1, a[g][j]);
-            for (int c = 16; c < D; c += 16) {
-                load16(r, c, k0, k1);
-                for (int g = 0; g < NG; g++) a[g][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + c), k0, a[g][j]);
-                for (int g = 0; g < NG; g++) a[g][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + c + 8), k1, a[g][j]);
+        const T* r[R];
+        for (int j = 0; j < R; j++) r[j] = rows + (i + (j < rn ? j : 0)) * stride;
+        for (int j0 = 0; j0 < R; j0 += P) {
+#pragma GCC unroll 16
+            for (int c = 0; c < D; c += 16) {
+                for (int half = 0; half < 2; half++) {  // values c .. c + 7, then c + 8 .. c + 15
+                    __m256 k[P];
+                    for (int j = 0; j < P; j++) k[j] = half16(r[j0 + j], c, half);
+                    for (int g = 0; g < NG; g++) {
+                        __m256 qv = _mm256_loadu_ps(q + g * D + c + 8 * half);
+                        asm("" : "+v"(qv));  // in a register: one load for the P products
+                        for (int j = 0; j < P; j++)
+                            a[g][j0 + j] = c + half == 0 ? _mm256_mul_ps(qv, k[j]) : _mm256_fmadd_ps(qv, k[j], a[g][j0 + j]);
+                    }
+                }
             }
         }
         for (int g = 0; g < NG; g++) {
@@ -441,14 +461,60 @@ inline void unit_tokens(const int64_t* offset, int64_t B, const int64_t* ctx, in
 }
 
 // Work items per unit: 1 (all kv heads), or one per kv head where there are too few units to
-// keep every thread busy (a short batch-1 decode). Item i runs on thread i % threads.
-inline int64_t items_per_unit(int64_t units, int64_t Hkv) {
-#ifdef _OPENMP
-    const int64_t threads = omp_get_num_threads();
-#else
-    const int64_t threads = 1;
-#endif
-    return units >= 2 * threads ? 1 : Hkv;
+// keep every thread busy (a short batch-1 decode).
+inline int64_t items_per_unit(int64_t units, int64_t Hkv, int64_t threads) { return units >= 2 * threads ? 1 : Hkv; }
+
+// The first key sequence b attends to.
+inline int64_t first_key(const int64_t* ctx, int64_t window, int64_t b) {
+    return window > 0 && ctx[b] > window ? ctx[b] - window : 0;
+}
+
+// Whether row b reads the blocks row b - 1 reads, from its first on, in as many parts: the rows of
+// one sequence in one step (speculation's guesses), or sequences that share a prompt's blocks.
+inline bool shares_blocks(const int64_t* offset, const int64_t* tables, int64_t width, const int64_t* ctx,
+                          int64_t window, int64_t bs, int64_t b) {
+    if (b == 0 || offset[b + 1] - offset[b] != offset[b] - offset[b - 1]) return false;
+    return tables[b * width + first_key(ctx, window, b) / bs] ==
+           tables[(b - 1) * width + first_key(ctx, window, b - 1) / bs];
+}
+
+// fn(item) for each work item (of total * split; item i is unit i / split) that thread `tid` of
+// `threads` computes. Which thread computes an item never changes a bit of it. Runs of rows that
+// share blocks have their units taken part by part across the rows, and each thread takes a
+// contiguous stretch of them: a part's keys and values come from memory once, and from the
+// thread's caches for the run's other rows. (Round robin, the 4 rows of one sequence at 2048
+// keys read them from memory 4 times: 12 query heads over 2 kv heads at D = 128 on a 2-vCPU Zen 4,
+// a 4-row call took 0.82-0.83x the time this way.) Other units go round the threads one by one
+// (a long single row's parts alternately: contiguous halves of it ran 1.11x slower there).
+template <typename Fn>
+void for_thread_items(const int64_t* offset, const int64_t* tables, int64_t width, const int64_t* ctx, int64_t B,
+                      int64_t window, int64_t bs, int64_t split, int64_t tid, int64_t threads, Fn fn) {
+    if (split > 1) {
+        for (int64_t item = tid; item < offset[B] * split; item += threads) fn(item);
+        return;
+    }
+    const auto run_end = [&](int64_t b0) {
+        int64_t b1 = b0 + 1;
+        while (b1 < B && shares_blocks(offset, tables, width, ctx, window, bs, b1)) b1++;
+        return b1;
+    };
+    int64_t shared = 0;  // units in runs of two or more rows
+    for (int64_t b0 = 0, b1; b0 < B; b0 = b1)
+        if ((b1 = run_end(b0)) - b0 > 1) shared += offset[b1] - offset[b0];
+    const int64_t lo = shared * tid / threads, hi = shared * (tid + 1) / threads;
+    int64_t pos = 0, single = 0;
+    for (int64_t b0 = 0, b1; b0 < B; b0 = b1) {
+        b1 = run_end(b0);
+        const int64_t parts = offset[b0 + 1] - offset[b0];
+        if (b1 - b0 > 1) {
+            for (int64_t p = 0; p < parts; p++)
+                for (int64_t b = b0; b < b1; b++, pos++)
+                    if (pos >= lo && pos < hi) fn(offset[b] + p);
+        } else {
+            for (int64_t p = 0; p < parts; p++, single++)
+                if (single % threads == tid) fn(offset[b0] + p);
+        }
+    }
 }
 
 // The body of paged_decode, run by every thread of a team: units from paged_attention_plan
@@ -467,11 +533,15 @@ __attribute__((noinline)) void paged_decode_team(const TQ* q, const int64_t* row
     // A work item: one unit's query heads of all the kv heads, reading each token's keys and values
     // whole (a kv head's alone is a third of a row's lines or less, and the lines between are
     // fetched all the same); of one kv head where there are too few units (items_per_unit). Each
-    // head's sums are the same whichever item computes them. Items go round the threads in a
-    // fixed order, so the decoder stack knows which thread reads which rows (side_prefetch.h).
-    const int64_t split = items_per_unit(total, Hkv), per_item = Hkv / split;
-#pragma omp for schedule(static, 1)
-    for (int64_t item = 0; item < total * split; item++) {
+    // head's sums are the same whichever item computes them. Items go to the threads as
+    // for_thread_items says, so the decoder stack knows which thread reads which rows (side_prefetch.h).
+#ifdef _OPENMP
+    const int64_t tid = omp_get_thread_num(), threads = omp_get_num_threads();
+#else
+    const int64_t tid = 0, threads = 1;
+#endif
+    const int64_t split = items_per_unit(total, Hkv, threads), per_item = Hkv / split;
+    for_thread_items(offset, tables, width, ctx, B, window, bs, split, tid, threads, [&](int64_t item) {
         const int64_t u = item / split, hk0 = item % split * per_item, hk1 = hk0 + per_item;
         int64_t b, t0, t1;
         unit_tokens(offset, B, ctx, window, bs, u, b, t0, t1);
@@ -480,7 +550,7 @@ __attribute__((noinline)) void paged_decode_team(const TQ* q, const int64_t* row
         if (t0 >= t1) {  // more parts than blocks: this one is empty
             for (int64_t i = hk0 * G * D; i < hk1 * G * D; i++) acc[i] = 0.f;
             for (int64_t h = hk0 * G; h < hk1 * G; h++) m[h] = -INFINITY, l[h] = 0.f;
-            continue;
+            return;
         }
         const TQ* qb = q + rows[b] * H * D;
         for (int64_t i = hk0 * G * D; i < hk1 * G * D; i++) qf[i] = load(qb, i) * scale;
@@ -495,7 +565,8 @@ __attribute__((noinline)) void paged_decode_team(const TQ* q, const int64_t* row
             attend_part<TKV, 256>(qf, k, v, table, t0, t1, bs, Hkv, hk0, hk1, G, D, softcap, s, acc, m, l);
         else
             attend_part<TKV, 0>(qf, k, v, table, t0, t1, bs, Hkv, hk0, hk1, G, D, softcap, s, acc, m, l);
-    }
+    });
+#pragma omp barrier
     // merge each sequence's parts: rescale to the largest max, then divide by the total
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < B; b++) {
@@ -569,13 +640,19 @@ void attention_side_prefetch(const void* k, const void* v, int kv_format, const 
 #else
     const int64_t tid = 0, threads = 1;
 #endif
-    const int64_t total = offset[B], split = items_per_unit(total, Hkv);
+    const int64_t split = items_per_unit(offset[B], Hkv, threads);
     const int64_t row = kv_format == KV_Q8_0 ? Hkv * head_stride<Q8>(D) * int64_t(sizeof(Q8))
                                              : Hkv * D * (kv_format == KV_BF16 ? 2 : 4);
-    for (int64_t item = tid; item < total * split; item += threads) {
-        if (item % split) continue;  // a unit split by kv head: its first item's thread fetches its rows
+    int64_t last = -1;  // the unit before
+    for_thread_items(offset, tables, width, ctx, B, window, bs, split, tid, threads, [&](int64_t item) {
+        if (item % split) return;  // a unit split by kv head: its first item's thread fetches its rows
+        const int64_t u = item / split, before = last;
+        last = u;
         int64_t b, t0, t1;
-        unit_tokens(offset, B, ctx, window, bs, item / split, b, t0, t1);
+        unit_tokens(offset, B, ctx, window, bs, u, b, t0, t1);
+        // the same part of the row before, which shares its blocks, fetched them already
+        if (before >= 0 && shares_blocks(offset, tables, width, ctx, window, bs, b) && u - before == offset[b] - offset[b - 1])
+            return;
         const int64_t* table = tables + b * width;
         for (const void* cache : {k, v})  // the order the item reads them
             for (int64_t t = t0; t < t1;) {
@@ -583,7 +660,7 @@ void attention_side_prefetch(const void* k, const void* v, int kv_format, const 
                 side.add(static_cast<const char*>(cache) + (table[t / bs] * bs + t % bs) * row, (end - t) * row);
                 t = end;
             }
-    }
+    });
 }
 
 void attention_team_f32(const float* q, const int64_t* rows, const void* k, const void* v, int kv_format,
