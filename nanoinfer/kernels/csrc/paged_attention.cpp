@@ -160,10 +160,11 @@ inline __m128 hsum4x8(const __m256* a) {
 
 // Whether a kv head's query heads go six or four at a time (dots_all, weighted_all): where the
 // compiler has 32 vector registers (AVX-512 VL, even for these 256-bit vectors), 6 heads x 4 keys
-// of sums, 4 keys' vectors and a query vector fit them (dots_heads). Against three at a time, on a 2-vCPU Zen 4 (bf16
-// cache, the calls of one layer): 12 query heads over 2 kv heads at D = 128 (Qwen2.5 1.5B) one row
-// at position 513 1.05-1.09x, 4 rows 1.09-1.14x, a 512-row chunk ending at 2048 1.12x; 8 over 2
-// 1.15-1.18x; 14 over 2 at D = 64 (six and one) 1.02-1.10x. Sixteen registers would spill them.
+// of sums, 4 keys' vectors and a query vector fit them (dots_heads). Against three at a time, on
+// a 2-vCPU Zen 4 (bf16 cache, the calls of one layer): 12 query heads over 2 kv heads at D = 128
+// (Qwen2.5 1.5B) one row at position 513 1.05-1.09x, 4 rows 1.09-1.14x, a 512-row chunk ending at
+// 2048 1.12x; 8 over 2 1.15-1.18x; 14 over 2 at D = 64 (six and one) 1.02-1.10x. Sixteen
+// registers would spill them.
 #if defined(__AVX512VL__)
 constexpr bool kWideHeads = true;
 #else
@@ -650,10 +651,12 @@ void attention_side_prefetch(const void* k, const void* v, int kv_format, const 
         last = u;
         int64_t b, t0, t1;
         unit_tokens(offset, B, ctx, window, bs, u, b, t0, t1);
-        // the same part of the row before, which shares its blocks, fetched them already
-        if (before >= 0 && shares_blocks(offset, tables, width, ctx, window, bs, b) && u - before == offset[b] - offset[b - 1])
-            return;
         const int64_t* table = tables + b * width;
+        // the same part of the row before fetched these blocks already, if they are the same ones
+        if (before >= 0 && t0 < t1 && shares_blocks(offset, tables, width, ctx, window, bs, b) &&
+            u - before == offset[b] - offset[b - 1] &&
+            std::equal(table + t0 / bs, table + (t1 - 1) / bs + 1, table - width + t0 / bs))
+            return;
         for (const void* cache : {k, v})  // the order the item reads them
             for (int64_t t = t0; t < t1;) {
                 const int64_t end = std::min(t1, (t / bs + 1) * bs);
