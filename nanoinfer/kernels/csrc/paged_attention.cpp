@@ -64,25 +64,20 @@ inline void for_each_row(const T* cache, const int64_t* table, int64_t t0, int64
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// Values i .. i + 15 of a head's row (i a multiple of 16) as two vectors, in `lanes16` order: a
-// float row as it is (a: 0-7, b: 8-15); a bf16 row through unpacking with zeros, one shuffle a
+// Values i .. i + 15 of a head's row (i a multiple of 16) as two vectors (load16; half16 gives a
+// with high 0, b with high 1), in `lanes16` order: a float row as it is (a: 0-7, b: 8-15); a bf16 row through unpacking with zeros, one shuffle a
 // vector and no shift (a: 0-3 and 8-11, b: 4-7 and 12-15). Each lane's sums are the same either
 // way; only where a value sits differs, and the other operand (the query, the accumulators) is laid
 // out alike (lanes16).
-inline void load16(const float* r, int64_t i, __m256& a, __m256& b) {
-    a = _mm256_loadu_ps(r + i);
-    b = _mm256_loadu_ps(r + i + 8);
-}
-inline void load16(const BF16* r, int64_t i, __m256& a, __m256& b) {
-    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + i)), z = _mm256_setzero_si256();
-    a = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, x));
-    b = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, x));
-}
-// One of load16's two vectors: a (high 0) or b (high 1).
 inline __m256 half16(const float* r, int64_t i, int high) { return _mm256_loadu_ps(r + i + 8 * high); }
 inline __m256 half16(const BF16* r, int64_t i, int high) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + i)), z = _mm256_setzero_si256();
     return _mm256_castsi256_ps(high ? _mm256_unpackhi_epi16(z, x) : _mm256_unpacklo_epi16(z, x));
+}
+template <typename T>
+inline void load16(const T* r, int64_t i, __m256& a, __m256& b) {
+    a = half16(r, i, 0);
+    b = half16(r, i, 1);
 }
 // D values in natural order -> load16's order for T (to: true) or back (false), in place.
 template <typename T>
@@ -432,6 +427,11 @@ void attend_part(float* qf, const T* k, const T* v, const int64_t* table, int64_
     }
 }
 
+// The first key sequence b attends to (the last `window` of its ctx[b] with a sliding window).
+inline int64_t first_key(const int64_t* ctx, int64_t window, int64_t b) {
+    return window > 0 && ctx[b] > window ? ctx[b] - window : 0;
+}
+
 constexpr int64_t kMaxParts = 64;
 constexpr int64_t kPartTokens = 256;  // a sequence is split into runs of about this many keys
 
@@ -442,7 +442,7 @@ constexpr int64_t kPartTokens = 256;  // a sequence is split into runs of about 
 int64_t paged_attention_plan(const int64_t* ctx, int64_t B, int64_t window, int64_t* offset) {
     offset[0] = 0;
     for (int64_t b = 0; b < B; b++) {
-        const int64_t n = ctx[b], start = window > 0 && n > window ? n - window : 0;
+        const int64_t n = ctx[b], start = first_key(ctx, window, b);
         const int64_t parts = std::min<int64_t>(kMaxParts, std::max<int64_t>(1, (n - start + kPartTokens - 1) / kPartTokens));
         offset[b + 1] = offset[b] + parts;
     }
@@ -455,20 +455,25 @@ inline void unit_tokens(const int64_t* offset, int64_t B, const int64_t* ctx, in
                         int64_t& b, int64_t& t0, int64_t& t1) {
     b = std::upper_bound(offset, offset + B + 1, u) - offset - 1;
     const int64_t part = u - offset[b], parts = offset[b + 1] - offset[b];
-    const int64_t n = ctx[b], start = window > 0 && n > window ? n - window : 0;
+    const int64_t n = ctx[b], start = first_key(ctx, window, b);
     const int64_t first = start / bs, blocks = (n + bs - 1) / bs - first, per = (blocks + parts - 1) / parts;
     t0 = std::max(start, (first + part * per) * bs);
     t1 = std::min(n, (first + (part + 1) * per) * bs);
 }
 
+// The calling thread's number in its team, and the team's size.
+struct TeamPosition { int64_t tid, threads; };
+inline TeamPosition team_position() {
+#ifdef _OPENMP
+    return {omp_get_thread_num(), omp_get_num_threads()};
+#else
+    return {0, 1};
+#endif
+}
+
 // Work items per unit: 1 (all kv heads), or one per kv head where there are too few units to
 // keep every thread busy (a short batch-1 decode).
 inline int64_t items_per_unit(int64_t units, int64_t Hkv, int64_t threads) { return units >= 2 * threads ? 1 : Hkv; }
-
-// The first key sequence b attends to.
-inline int64_t first_key(const int64_t* ctx, int64_t window, int64_t b) {
-    return window > 0 && ctx[b] > window ? ctx[b] - window : 0;
-}
 
 // Whether row b reads the blocks row b - 1 reads, from its first on, in as many parts: the rows of
 // one sequence in one step (speculation's guesses), or sequences that share a prompt's blocks.
@@ -536,11 +541,7 @@ __attribute__((noinline)) void paged_decode_team(const TQ* q, const int64_t* row
     // fetched all the same); of one kv head where there are too few units (items_per_unit). Each
     // head's sums are the same whichever item computes them. Items go to the threads as
     // for_thread_items says, so the decoder stack knows which thread reads which rows (side_prefetch.h).
-#ifdef _OPENMP
-    const int64_t tid = omp_get_thread_num(), threads = omp_get_num_threads();
-#else
-    const int64_t tid = 0, threads = 1;
-#endif
+    const auto [tid, threads] = team_position();
     const int64_t split = items_per_unit(total, Hkv, threads), per_item = Hkv / split;
     for_thread_items(offset, tables, width, ctx, B, window, bs, split, tid, threads, [&](int64_t item) {
         const int64_t u = item / split, hk0 = item % split * per_item, hk1 = hk0 + per_item;
@@ -636,11 +637,7 @@ void attention_side_prefetch(const void* k, const void* v, int kv_format, const 
                              const int64_t* offset) {
     SidePrefetch& side = side_prefetch();
     side.clear();
-#ifdef _OPENMP
-    const int64_t tid = omp_get_thread_num(), threads = omp_get_num_threads();
-#else
-    const int64_t tid = 0, threads = 1;
-#endif
+    const auto [tid, threads] = team_position();
     const int64_t split = items_per_unit(offset[B], Hkv, threads);
     const int64_t row = kv_format == KV_Q8_0 ? Hkv * head_stride<Q8>(D) * int64_t(sizeof(Q8))
                                              : Hkv * D * (kv_format == KV_BF16 ? 2 : 4);
