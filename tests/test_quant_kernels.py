@@ -335,7 +335,7 @@ def test_a_streamed_weight_takes_huge_pages():
     N, K = 1100, 4096  # Q4_K: 1100 rows of 2304 bytes, 2.4 MiB
     w = torch.from_numpy(make_weights(T.Q4_K, N, K, seed=3))
     r = quant.repack(QuantizedTensor(w, T.Q4_K, (N, K), "Q4_K"))
-    assert r.repacked and r.data.data_ptr() % (2 << 20) == 0
+    assert r.repacked and r.data.data_ptr() % quant.HUGE_PAGE == 0
     assert torch.equal(quant.as_stored(r).data, w)
     x = torch.randn(3, K)
     assert torch.equal(quant.linear(x, r.data, T.Q4_K, repacked=True), quant.linear(x, r.data.clone(), T.Q4_K, repacked=True))
@@ -343,7 +343,7 @@ def test_a_streamed_weight_takes_huge_pages():
     if not mode.exists() or "[never]" in mode.read_text():
         pytest.skip("this OS gives no transparent huge pages")
     kib = huge_page_kib(r.data.data_ptr())  # (fewer where the OS found no free 2 MiB of memory)
-    assert kib is not None and 0 < kib <= (w.numel() // (2 << 20)) * 2048
+    assert kib is not None and 0 < kib <= (w.numel() // quant.HUGE_PAGE) * quant.HUGE_PAGE // 1024
 
 
 def test_special_values_of_f16_scales():

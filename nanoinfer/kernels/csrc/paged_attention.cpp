@@ -65,10 +65,10 @@ inline void for_each_row(const T* cache, const int64_t* table, int64_t t0, int64
 
 #if defined(__AVX2__) && defined(__FMA__)
 // Values i .. i + 15 of a head's row (i a multiple of 16) as two vectors (load16; half16 gives a
-// with high 0, b with high 1), in `lanes16` order: a float row as it is (a: 0-7, b: 8-15); a bf16 row through unpacking with zeros, one shuffle a
-// vector and no shift (a: 0-3 and 8-11, b: 4-7 and 12-15). Each lane's sums are the same either
-// way; only where a value sits differs, and the other operand (the query, the accumulators) is laid
-// out alike (lanes16).
+// with high 0, b with high 1), in `lanes16` order: a float row as it is (a: 0-7, b: 8-15); a bf16
+// row through unpacking with zeros, one shuffle a vector and no shift (a: 0-3 and 8-11, b: 4-7 and
+// 12-15). Each lane's sums are the same either way; only where a value sits differs, and the other
+// operand (the query, the accumulators) is laid out alike (lanes16).
 inline __m256 half16(const float* r, int64_t i, int high) { return _mm256_loadu_ps(r + i + 8 * high); }
 inline __m256 half16(const BF16* r, int64_t i, int high) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + i)), z = _mm256_setzero_si256();
