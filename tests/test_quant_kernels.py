@@ -311,41 +311,6 @@ def test_repack_round_trip(qtype, N):
         quant.repack(QuantizedTensor(w[:, :-1].contiguous(), qtype, (N, K), T(qtype).name))
 
 
-def huge_page_kib(address: int) -> int | None:
-    """AnonHugePages of the mapping holding `address`, from /proc/self/smaps (None: no such file)."""
-    try:
-        text = Path("/proc/self/smaps").read_text()
-    except OSError:
-        return None
-    inside = False
-    for line in text.splitlines():
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            lo, hi = (int(v, 16) for v in head.split("-"))
-            inside = lo <= address < hi
-        elif inside and head == "AnonHugePages:":
-            return int(line.split()[1])
-    return None
-
-
-def test_a_streamed_weight_takes_huge_pages():
-    """A repacked weight of 2 MiB or more starts on a 2 MiB boundary with its bytes right and,
-    where the OS gives transparent huge pages on request, its whole 2 MiB stretches in them and
-    nothing past its end (no page holds bytes beyond the weight)."""
-    N, K = 1100, 4096  # Q4_K: 1100 rows of 2304 bytes, 2.4 MiB
-    w = torch.from_numpy(make_weights(T.Q4_K, N, K, seed=3))
-    r = quant.repack(QuantizedTensor(w, T.Q4_K, (N, K), "Q4_K"))
-    assert r.repacked and r.data.data_ptr() % quant.HUGE_PAGE == 0
-    assert torch.equal(quant.as_stored(r).data, w)
-    x = torch.randn(3, K)
-    assert torch.equal(quant.linear(x, r.data, T.Q4_K, repacked=True), quant.linear(x, r.data.clone(), T.Q4_K, repacked=True))
-    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if not mode.exists() or "[never]" in mode.read_text():
-        pytest.skip("this OS gives no transparent huge pages")
-    kib = huge_page_kib(r.data.data_ptr())  # (fewer where the OS found no free 2 MiB of memory)
-    assert kib is not None and 0 < kib <= (w.numel() // quant.HUGE_PAGE) * quant.HUGE_PAGE // 1024
-
-
 def test_special_values_of_f16_scales():
     """Subnormal, zero and negative fp16 scales dequantise and multiply as gguf's numpy does."""
     K, N = 64, 4

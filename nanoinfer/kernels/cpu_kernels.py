@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from ..user_cache import user_cache_dir
+from .weight_memory import streamed_empty
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("paged_attention.cpp", "packed_gemm.cpp", "layer_ops.cpp", "quant_gemm.cpp",
@@ -306,10 +307,11 @@ def pack_f32(weight: torch.Tensor) -> torch.Tensor:
     what is left. Same shape, dtype and element count as `weight`; only the order differs."""
     N, K = weight.shape
     full = N // PANEL * PANEL
-    body = weight[:full].reshape(-1, PANEL, K).transpose(1, 2).reshape(-1)
-    if full == N:
-        return body.reshape(N, K)
-    return torch.cat([body, weight[full:].t().reshape(-1)]).reshape(N, K)
+    out = streamed_empty((N, K), weight.dtype)
+    flat = out.view(-1)
+    flat[:full * K].view(full // PANEL, K, PANEL).copy_(weight[:full].reshape(-1, PANEL, K).transpose(1, 2))
+    flat[full * K:].view(K, N - full).copy_(weight[full:].t())
+    return out
 
 
 def unpack_f32(packed: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,6 @@ rounding of the per-block sums (tests/test_quant_kernels.py checks both parts).
 from __future__ import annotations
 
 import ctypes
-import mmap
 import os
 import re
 import threading
@@ -38,6 +37,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..tensors import QuantizedTensor
 from . import cpu_kernels
+from .weight_memory import streamed_empty
 
 T = GGMLQuantizationType
 TYPES_DEF = cpu_kernels.CSRC / "quant" / "types.def"
@@ -264,34 +264,12 @@ def dequantize_rows(w: torch.Tensor, qtype: int, K: int, rows: torch.Tensor, rep
     return out
 
 
-HUGE_PAGE = 2 << 20
-
-
-def _streamed_bytes(shape: torch.Size) -> torch.Tensor:
-    """An uninitialised uint8 tensor for a weight that the kernels stream once a step, its whole
-    2 MiB stretches in transparent huge pages where the OS gives them on request (Linux's THP
-    mode `madvise`, many distributions' default): a private anonymous mapping, the tensor from a
-    2 MiB boundary, advised before its first write. The tail past the last whole stretch is
-    advised to keep 4 KiB pages, so no page holds more than the tensor. Through 4 KiB pages,
-    every page of every weight missed the TLB each step (docs/benchmarks.md, the eighteenth
-    Zen 4 section)."""
-    n = shape.numel()
-    if n < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty(shape, dtype=torch.uint8)
-    buf = mmap.mmap(-1, n + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (a shared one is shmem: no THP)
-    start = -ctypes.addressof(ctypes.c_char.from_buffer(buf)) % HUGE_PAGE
-    whole = n - n % HUGE_PAGE
-    buf.madvise(mmap.MADV_HUGEPAGE, start, whole)
-    buf.madvise(mmap.MADV_NOHUGEPAGE, start + whole, len(buf) - start - whole)  # (THP mode `always` too)
-    return torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=start).view(shape)  # keeps the mapping alive
-
-
 def _relayout(t: QuantizedTensor, repacked: bool) -> QuantizedTensor:
     lib = _library(t.qtype)
     _check(t.data, "data", torch.uint8, 2)
     if tuple(t.data.shape) != (t.shape[0], row_bytes(t.qtype, t.shape[1])):
         raise ValueError(f"{t.type_name}: {list(t.data.shape)} bytes for a [{t.shape[0]}, {t.shape[1]}] weight")
-    out = _streamed_bytes(t.data.shape)
+    out = streamed_empty(t.data.shape, torch.uint8)
     rc = lib.quant_repack(int(t.qtype), t.data.data_ptr(), t.shape[0], t.shape[1], out.data_ptr(), int(not repacked))
     if rc:
         raise RuntimeError(f"quant_repack({t.type_name}): {_ERRORS.get(rc, rc)}")
