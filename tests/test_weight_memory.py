@@ -3,6 +3,7 @@
 results unchanged."""
 from __future__ import annotations
 
+import gc
 import shutil
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from nanoinfer.kernels import cpu_kernels, quant
+from nanoinfer.kernels import cpu_kernels, quant, weight_memory
 from nanoinfer.kernels.weight_memory import HUGE_PAGE, streamed_empty
 from nanoinfer.tensors import QuantizedTensor
 
@@ -37,21 +38,36 @@ def huge_page_kib(address: int) -> int | None:
     return None
 
 
-def assert_in_huge_pages(t: torch.Tensor) -> None:
-    """Some of t's whole 2 MiB stretches in huge pages and nothing past its end; fewer than all
-    where the OS found no free 2 MiB of memory. Skips where the OS gives no huge pages."""
+def assert_in_huge_pages(t: torch.Tensor, whole_pages: bool = True) -> None:
+    """t's memory in huge pages where the OS gives them (some: fewer where it found no free
+    2 MiB). whole_pages: t has a mapping of its own, and no huge page lies past its end. Skips
+    where the OS gives no huge pages."""
     mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if not mode.exists() or "[never]" in mode.read_text():
         pytest.skip("this OS gives no transparent huge pages")
-    nbytes = t.numel() * t.element_size()
     kib = huge_page_kib(t.data_ptr())
-    assert kib is not None and 0 < kib <= nbytes // HUGE_PAGE * HUGE_PAGE // 1024
+    assert kib is not None and kib > 0
+    if whole_pages:
+        assert kib <= t.numel() * t.element_size() // HUGE_PAGE * HUGE_PAGE // 1024
 
 
-def test_a_small_weight_stays_in_ordinary_memory():
-    t = streamed_empty((3, 5), torch.float32)
-    assert t.shape == (3, 5) and t.dtype == torch.float32 and t.is_contiguous()
-    assert huge_page_kib(t.data_ptr()) in (None, 0)
+def test_small_weights_are_cut_from_shared_huge_page_chunks():
+    """Weights under 2 MiB come one after another from 2 MiB-aligned chunks, each on a cache
+    line of its own, never overlapping; a retired chunk lives as long as a tensor cut from it."""
+    first = streamed_empty((1000, 3), torch.float32)
+    second = streamed_empty((7,), torch.uint8)
+    assert first.data_ptr() % 64 == 0 and second.data_ptr() % 64 == 0
+    assert second.data_ptr() >= first.data_ptr() + first.numel() * 4 or second.data_ptr() + 7 <= first.data_ptr()
+    first.fill_(1.5)
+    second.fill_(9)
+    chunk = weight_memory._current.buffer
+    for _ in range(weight_memory.CHUNK // (HUGE_PAGE // 2) + 1):  # past the end of first's chunk
+        streamed_empty((HUGE_PAGE // 2,), torch.uint8)
+    assert weight_memory._current.buffer is not chunk
+    del chunk
+    gc.collect()
+    assert bool((first == 1.5).all()) and bool((second == 9).all())
+    assert_in_huge_pages(first, whole_pages=False)
 
 
 @needs_compiler

@@ -20,6 +20,7 @@ from ..config import ModelConfig
 from ..errors import ModelLoadError
 from ..kernels.cpu_linear import adapt_linears
 from ..kernels.quant_linear import kernel_for
+from ..kernels.weight_memory import return_freed_heap
 from ..loaders import load_files
 from ..loaders.gguf import dequantize
 from ..tensors import QuantizedTensor
@@ -53,6 +54,7 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | None = torch
     t0 = time.perf_counter()
     files = load_files(path, dtype, overrides)
     files.info["tensor_formats"] = _settle_formats(files.state)
+    return_freed_heap()
     model = build_module(files.config, files.state, device, str(files.path))
     if transform is not None:
         model = transform(model, files.config)
