@@ -213,22 +213,24 @@ def test_loading_the_kernels_keeps_subnormals():
     assert proc.returncode == 0, proc.stderr
 
 
-CPUINFO = ("processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: 17\nflags\t\t: fpu avx2\n\n"
-           "processor\t: 1\nvendor_id\t: OtherVendor\n")
+CPUINFO = ("processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: 17\nflags\t\t: {flags}\n\n"
+           "processor\t: 1\nvendor_id\t: OtherVendor\nflags\t\t: fpu avx2 avx512f\n")
 
 
-@pytest.mark.parametrize("vendor, family, want", [
-    ("GenuineIntel", "6", ["-DQG_PREFETCH_ONE_GROUP=24576"]),
-    ("AuthenticAMD", "25", ["-DQG_PREFETCH_LOCALITY=2", "-DQG_NARROW_TILE_ROWS=1"]),  # Zen 3 / Zen 4
-    ("AuthenticAMD", "26", []),  # Zen 5: a full-width 512-bit datapath, not measured: the defaults
-    ("HygonGenuine", "24", []),
+@pytest.mark.parametrize("vendor, family, flags, want", [
+    ("GenuineIntel", "6", "fpu avx2 avx512f", ["-DQG_PREFETCH_ONE_GROUP=24576"]),
+    ("AuthenticAMD", "25", "fpu avx2", ["-DQG_PREFETCH_LOCALITY=2", "-DQG_NARROW_TILE_ROWS=1"]),  # Zen 3
+    ("AuthenticAMD", "25", "fpu avx2 avx512f avx512_vnni",  # Zen 4: Q8_0 (8) and Q4_K (12) left to the hardware
+     ["-DQG_PREFETCH_LOCALITY=2", "-DQG_NARROW_TILE_ROWS=1", "-DQG_UNPREFETCHED_TYPES=4352"]),
+    ("AuthenticAMD", "26", "fpu avx2 avx512f", []),  # Zen 5: a full-width 512-bit datapath, not measured: the defaults
+    ("HygonGenuine", "24", "fpu avx2", []),
 ])
-def test_vendor_tuning_follows_the_first_processor(vendor, family, want):
-    assert cpu_kernels._vendor_flags(CPUINFO.format(vendor=vendor, family=family)) == want
+def test_vendor_tuning_follows_the_first_processor(vendor, family, flags, want):
+    assert cpu_kernels._vendor_flags(CPUINFO.format(vendor=vendor, family=family, flags=flags)) == want
 
 
 def test_first_processor_reads_one_block():
-    cpu = cpu_kernels.first_processor(CPUINFO.format(vendor="AuthenticAMD", family="25"))
+    cpu = cpu_kernels.first_processor(CPUINFO.format(vendor="AuthenticAMD", family="25", flags="fpu avx2"))
     assert cpu["vendor_id"] == "AuthenticAMD" and cpu["cpu family"] == "25" and cpu["flags"] == "fpu avx2"
     assert cpu_kernels.first_processor("") == {}
 

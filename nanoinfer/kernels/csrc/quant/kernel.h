@@ -32,6 +32,18 @@ constexpr int64_t kPrefetch = 8192;
 #define QG_PREFETCH_ONE_GROUP 8192
 #endif
 constexpr int64_t kPrefetchOneGroup = QG_PREFETCH_ONE_GROUP;
+// The types whose one-group streams are left to the hardware prefetcher alone: a bit per GGML
+// type id. cpu_kernels.py sets Q8_0's and Q4_K's on Zen 4 (AMD family 25 with AVX-512), where
+// the software prefetch above held their streams back. A 2-vCPU Zen 4, one activation row, each
+// type's weights of a file repacked and streamed on two threads, no prefetch against 8 KiB
+// ahead (paired medians of one process, alternating): Q4_K 1.08-1.12x (Qwen2.5-Coder 1.5B's and
+// 0.5B's, Gemma 3 270M's), Q8_0 1.04-1.10x (0.5B's, SmolLM2's); and it left Q6_K 0.82-0.95x, Q4_0
+// 0.94x, Q4_1 and Q5_0 0.97x, so they keep it. The KV side ranges (side_prefetch.h) still step.
+#ifndef QG_UNPREFETCHED_TYPES
+#define QG_UNPREFETCHED_TYPES 0
+#endif
+template <int T>
+constexpr bool kHardwarePrefetched = (uint64_t(QG_UNPREFETCHED_TYPES) >> T) & 1;
 // Where the streamed weights are prefetched to: __builtin_prefetch's locality, 3 into L1 (x86's
 // prefetcht0), 2 into L2 (prefetcht1). cpu_kernels.py sets QG_PREFETCH_LOCALITY=2 on AMD family
 // 25. On a 2-vCPU Zen 4 a prefetch into L1 holds one of the core's few L1 miss buffers until

@@ -77,10 +77,15 @@ QG_AVX2 inline void prefetch_lines(const Ctx& c, const uint8_t* p, int bytes) {
     for (int o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, kPrefetchLocality);
     if (c.side) c.side->step(1);
 }
-// The next `bytes` of a streamed weight, `ahead` bytes ahead.
-template <int64_t ahead>
-QG_AVX2 inline void prefetch_ahead(const Ctx& c, const uint8_t* p, int bytes) {
-    prefetch_lines(c, p + ahead, bytes);
+// The next `bytes` of a weight of type T streamed one group at a time, kPrefetchOneGroup bytes
+// ahead (or none: kHardwarePrefetched), and a line of the side ranges.
+template <int T>
+QG_AVX2 inline void prefetch_group(const Ctx& c, const uint8_t* p, int bytes) {
+    if constexpr (kHardwarePrefetched<T>) {
+        if (c.side) c.side->step(1);
+    } else {
+        prefetch_lines(c, p + kPrefetchOneGroup, bytes);
+    }
 }
 
 // Vector v of a 4- or 5-bit group block as unsigned bytes: lo holds values 4v..4v+3 of each row,
@@ -129,7 +134,7 @@ QG_AVX2 void group32_avx2(const Ctx& c, int64_t n, int64_t m0) {
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t b = 0; b < c.nb; b++) {
         const uint8_t* gb = g + b * L::group_bytes;
-        if constexpr (PF) prefetch_ahead<kPrefetchOneGroup>(c, gb, L::group_bytes);
+        if constexpr (PF) prefetch_group<T>(c, gb, L::group_bytes);
         __m256i p[R];
         if constexpr (T == Q8_0) {
             for (int i = 0; i < R; i++) p[i] = _mm256_setzero_si256();
@@ -326,7 +331,7 @@ QG_AVX2 void groupk_avx2(const Ctx& c, int64_t n, int64_t m0) {
     for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < c.nb; b++) {
         const uint8_t* gb = g + b * L::group_bytes;
-        if constexpr (PF) prefetch_ahead<kPrefetchOneGroup>(c, gb, L::group_bytes);
+        if constexpr (PF) prefetch_group<T>(c, gb, L::group_bytes);
         __m256i isum[R];
         for (int i = 0; i < R; i++) isum[i] = _mm256_setzero_si256();
         __m256 dv;

@@ -147,18 +147,18 @@ QG_AVX512 inline VecI<G> q6_weights_of(const uint8_t* const* gb, int h, int t, i
 }
 
 // Block b of each of the G groups from row n on (group_bytes each), prefetching ahead when PF.
-// One group streams its rows' bytes in memory order, prefetched kPrefetchOneGroup bytes ahead.
+// One group streams its rows' bytes in memory order, prefetched as prefetch_group says.
 // Two groups lie side by side and are read in step, so a fixed distance ahead of the first one's
 // block lands in the second group, a block or so before that group reads it: half the stream
 // arrived late (2-vCPU Zen 4, one thread, a 256 MiB Q4_K weight of K = 1536: 16 rows 1.2-1.3x
 // slower than 8 at one to four activation rows, where with the weights in L2 they ran alike or
 // faster). Each of the two takes the same block of the next call's groups, 2 * kGroup rows on:
 // one call ahead (see kNarrowTileRows for the figures).
-template <int G, bool PF>
+template <int T, int G, bool PF>
 QG_AVX512 inline void group_blocks(const Ctx& c, int64_t n, int64_t b, int group_bytes, const uint8_t** gb) {
     for (int k = 0; k < G; k++) {
         gb[k] = c.w + (n + kGroup * k) * c.rb + b * group_bytes;
-        if constexpr (PF && G == 1) prefetch_ahead<kPrefetchOneGroup>(c, gb[k], group_bytes);
+        if constexpr (PF && G == 1) prefetch_group<T>(c, gb[k], group_bytes);
         if constexpr (PF && G == 2) prefetch_lines(c, gb[k] + 2 * kGroup * c.rb, group_bytes);
     }
 }
@@ -212,7 +212,7 @@ QG_AVX512 void group32_avx512(const Ctx& c, int64_t n, int64_t m0) {
     for (int i = 0; i < R; i++) acc[i] = F{};
     for (int64_t b = 0; b < c.nb; b++) {
         const uint8_t* gb[G];
-        group_blocks<G, PF>(c, n, b, L::group_bytes, gb);
+        group_blocks<T, G, PF>(c, n, b, L::group_bytes, gb);
         I p[R];
         for (int i = 0; i < R; i++) p[i] = I{};
         if constexpr (T == Q8_0) {
@@ -322,7 +322,7 @@ QG_AVX512 void groupk_avx512(const Ctx& c, int64_t n, int64_t m0) {
     for (int i = 0; i < R; i++) acc[i] = F{};
     for (int64_t b = 0; b < c.nb; b++) {
         const uint8_t* gb[G];
-        group_blocks<G, PF>(c, n, b, L::group_bytes, gb);
+        group_blocks<T, G, PF>(c, n, b, L::group_bytes, gb);
         const int8_t* xb[R];
         for (int i = 0; i < R; i++) xb[i] = x.xq[i] + b * QK;
         I isum[R];
