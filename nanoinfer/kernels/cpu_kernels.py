@@ -40,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from gguf.constants import GGMLQuantizationType
 
 from ..user_cache import user_cache_dir
 from .weight_memory import streamed_empty
@@ -87,7 +88,7 @@ def _vendor_flags(cpuinfo: str | None = None) -> list[str]:
     are prefetched into L2 rather than L1 (kPrefetchLocality), and calls of one row take the
     AVX-512 path's 256-bit tiles (kNarrowTileRows: Zen 4's AVX-512 runs as two 256-bit halves);
     on Zen 4 (family 25 with AVX-512) Q8_0's and Q4_K's one-group streams are left to the
-    hardware prefetcher (kHardwarePrefetched: a bit per GGML type id, Q8_0 = 8, Q4_K = 12)."""
+    hardware prefetcher (kHardwarePrefetched: a bit per GGML type id)."""
     cpu = first_processor(cpuinfo)
     vendor, family = cpu.get("vendor_id"), cpu.get("cpu family")
     if vendor == "GenuineIntel":
@@ -95,7 +96,7 @@ def _vendor_flags(cpuinfo: str | None = None) -> list[str]:
     if vendor == "AuthenticAMD" and family == "25":
         zen4 = "avx512f" in cpu.get("flags", "").split()
         return ["-DQG_PREFETCH_LOCALITY=2", "-DQG_NARROW_TILE_ROWS=1"] + (
-            [f"-DQG_UNPREFETCHED_TYPES={1 << 8 | 1 << 12}"] if zen4 else [])
+            [f"-DQG_UNPREFETCHED_TYPES={1 << GGMLQuantizationType.Q8_0 | 1 << GGMLQuantizationType.Q4_K}"] if zen4 else [])
     return []
 
 

@@ -78,14 +78,10 @@ QG_AVX2 inline void prefetch_lines(const Ctx& c, const uint8_t* p, int bytes) {
     if (c.side) c.side->step(1);
 }
 // The next `bytes` of a weight of type T streamed one group at a time, kPrefetchOneGroup bytes
-// ahead (or none: kHardwarePrefetched), and a line of the side ranges.
+// ahead (none where kHardwarePrefetched), and a line of the side ranges either way.
 template <int T>
 QG_AVX2 inline void prefetch_group(const Ctx& c, const uint8_t* p, int bytes) {
-    if constexpr (kHardwarePrefetched<T>) {
-        if (c.side) c.side->step(1);
-    } else {
-        prefetch_lines(c, p + kPrefetchOneGroup, bytes);
-    }
+    prefetch_lines(c, p + kPrefetchOneGroup, kHardwarePrefetched<T> ? 0 : bytes);
 }
 
 // Vector v of a 4- or 5-bit group block as unsigned bytes: lo holds values 4v..4v+3 of each row,
