@@ -51,23 +51,38 @@ def assert_in_huge_pages(t: torch.Tensor, whole_pages: bool = True) -> None:
         assert kib <= t.numel() * t.element_size() // HUGE_PAGE * HUGE_PAGE // 1024
 
 
+def mapping_of(address: int) -> tuple[int, int] | None:
+    """The bounds of the mapping in /proc/self/maps that holds `address` (None: none does)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        lo, hi = (int(v, 16) for v in line.split()[0].split("-"))
+        if lo <= address < hi:
+            return lo, hi
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps")
 def test_small_weights_are_cut_from_shared_huge_page_chunks():
     """Weights under 2 MiB come one after another from 2 MiB-aligned chunks, each on a cache
-    line of its own, never overlapping; a retired chunk lives as long as a tensor cut from it."""
+    line of its own, never overlapping; a retired chunk lives as long as a tensor cut from it,
+    and goes back to the OS with the last of them."""
     first = streamed_empty((1000, 3), torch.float32)
     second = streamed_empty((7,), torch.uint8)
     assert first.data_ptr() % 64 == 0 and second.data_ptr() % 64 == 0
     assert second.data_ptr() >= first.data_ptr() + first.numel() * 4 or second.data_ptr() + 7 <= first.data_ptr()
     first.fill_(1.5)
     second.fill_(9)
-    chunk = weight_memory._current.buffer
+    chunk = mapping_of(first.data_ptr())
+    assert chunk is not None and mapping_of(second.data_ptr()) == chunk
+    later = None
     for _ in range(weight_memory.CHUNK // (HUGE_PAGE // 2) + 1):  # past the end of first's chunk
-        streamed_empty((HUGE_PAGE // 2,), torch.uint8)
-    assert weight_memory._current.buffer is not chunk
-    del chunk
+        later = streamed_empty((HUGE_PAGE // 2,), torch.uint8)
+    assert later is not None and not chunk[0] <= later.data_ptr() < chunk[1]
     gc.collect()
     assert bool((first == 1.5).all()) and bool((second == 9).all())
     assert_in_huge_pages(first, whole_pages=False)
+    del first, second
+    gc.collect()
+    assert mapping_of(chunk[0]) != chunk
 
 
 @needs_compiler
