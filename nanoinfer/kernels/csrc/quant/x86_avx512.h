@@ -146,6 +146,23 @@ QG_AVX512 inline VecI<G> q6_weights_of(const uint8_t* const* gb, int h, int t, i
     return v_or(v_or(b01, b23), b45);
 }
 
+// Q6_K's offsets of groups g and g + 1 (at p), each in every lane of a 256-bit vector, from one
+// load: the pair broadcast, then a shuffle each. On a Zen 4 the 8-row tiles of 2-4 rows are
+// bound by their loads (two a cycle: the 4-row tile's ~470 loads a block took ~235 cycles), and
+// a broadcast per chain was 64 of them at 4 rows. One thread, a block of 8 rows in L1, with the
+// prefetch, ns a block at 2 / 3 / 4 rows: 50.0 / 61.4 / 74.9 -> 48.0 / 59.5 / 68.5. End to end
+// it is within the noise: the 1.5B's 4-row forward in the host's fast state came out 1.025x and
+// 1.002x shorter (paired medians of two runs, 12-17 rounds each). The 1-row tile (decode, bound
+// by memory) and the 16-row tiles (4 rows 56.1 against 57.7 this way) keep a broadcast per
+// chain (docs/benchmarks.md, the twenty-third Zen 4 section).
+QG_AVX512 inline void q6_offsets(const int32_t* p, __m256i& first, __m256i& second) {
+    int64_t pair;
+    std::memcpy(&pair, p, sizeof pair);
+    const __m256i both = _mm256_set1_epi64x(pair);
+    first = _mm256_shuffle_epi32(both, 0x00);
+    second = _mm256_shuffle_epi32(both, 0x55);
+}
+
 // Block b of each of the G groups from row n on (group_bytes each), prefetching ahead when PF.
 // One group streams its rows' bytes in memory order, prefetched as prefetch_group says.
 // Two groups lie side by side and are read in step, so a fixed distance ahead of the first one's
@@ -337,8 +354,12 @@ QG_AVX512 void groupk_avx512(const Ctx& c, int64_t n, int64_t m0) {
                     const int g = 8 * h + 2 * t;
                     I p0[R], p1[R];
                     for (int i = 0; i < R; i++) {  // each chain from its group's -32 x sum(x) on
-                        p0[i] = v_set1(x.xqo[i][kSums16 * b + g], I{});
-                        p1[i] = v_set1(x.xqo[i][kSums16 * b + g + 1], I{});
+                        if constexpr (G == 1 && R > 1) {  // (both groups' offsets in one load: see q6_offsets)
+                            q6_offsets(x.xqo[i] + kSums16 * b + g, p0[i], p1[i]);
+                        } else {
+                            p0[i] = v_set1(x.xqo[i][kSums16 * b + g], I{});
+                            p1[i] = v_set1(x.xqo[i][kSums16 * b + g + 1], I{});
+                        }
                     }
 #pragma GCC unroll 4
                     for (int v = 0; v < 4; v++) {
