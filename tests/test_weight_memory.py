@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -21,21 +22,41 @@ needs_compiler = pytest.mark.skipif(shutil.which("c++") is None and shutil.which
                                     reason="no C++ compiler: the kernels cannot be built here")
 
 
-def huge_page_kib(address: int) -> int | None:
-    """AnonHugePages of the mapping holding `address`, from /proc/self/smaps (None: no such file)."""
+@dataclass
+class Mapping:
+    """One mapping of /proc/self/smaps: its bounds and its fields (name -> the rest of the line)."""
+    lo: int
+    hi: int
+    fields: dict[str, str]
+
+    def holds(self, address: int) -> bool:
+        return self.lo <= address < self.hi
+
+
+def mapping_of(address: int) -> Mapping | None:
+    """The mapping that holds `address` (None: no such mapping, or no /proc/self/smaps)."""
     try:
         text = Path("/proc/self/smaps").read_text()
     except OSError:
         return None
-    inside = False
+    found = None
     for line in text.splitlines():
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
+        head, _, rest = line.partition(" ")
+        if "-" in head and not head.endswith(":"):  # a mapping's first line: lo-hi perms ...
+            if found is not None:
+                break
             lo, hi = (int(v, 16) for v in head.split("-"))
-            inside = lo <= address < hi
-        elif inside and head == "AnonHugePages:":
-            return int(line.split()[1])
-    return None
+            if lo <= address < hi:
+                found = Mapping(lo, hi, {})
+        elif found is not None:
+            found.fields[head.rstrip(":")] = rest.strip()
+    return found
+
+
+def huge_page_kib(address: int) -> int | None:
+    """AnonHugePages of the mapping holding `address` (None: no such mapping)."""
+    m = mapping_of(address)
+    return None if m is None else int(m.fields["AnonHugePages"].split()[0])
 
 
 def assert_in_huge_pages(t: torch.Tensor, whole_pages: bool = True) -> None:
@@ -51,16 +72,7 @@ def assert_in_huge_pages(t: torch.Tensor, whole_pages: bool = True) -> None:
         assert kib <= t.numel() * t.element_size() // HUGE_PAGE * HUGE_PAGE // 1024
 
 
-def mapping_of(address: int) -> tuple[int, int] | None:
-    """The bounds of the mapping in /proc/self/maps that holds `address` (None: none does)."""
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        lo, hi = (int(v, 16) for v in line.split()[0].split("-"))
-        if lo <= address < hi:
-            return lo, hi
-    return None
-
-
-@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps")
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs /proc/self/smaps")
 def test_small_weights_are_cut_from_shared_huge_page_chunks():
     """Weights under 2 MiB come one after another from 2 MiB-aligned chunks, each on a cache
     line of its own, never overlapping; a retired chunk lives as long as a tensor cut from it,
@@ -72,17 +84,18 @@ def test_small_weights_are_cut_from_shared_huge_page_chunks():
     first.fill_(1.5)
     second.fill_(9)
     chunk = mapping_of(first.data_ptr())
-    assert chunk is not None and mapping_of(second.data_ptr()) == chunk
+    assert chunk is not None and chunk.holds(second.data_ptr())
     later = None
     for _ in range(weight_memory.CHUNK // (HUGE_PAGE // 2) + 1):  # past the end of first's chunk
         later = streamed_empty((HUGE_PAGE // 2,), torch.uint8)
-    assert later is not None and not chunk[0] <= later.data_ptr() < chunk[1]
+    assert later is not None and not chunk.holds(later.data_ptr())
     gc.collect()
     assert bool((first == 1.5).all()) and bool((second == 9).all())
     assert_in_huge_pages(first, whole_pages=False)
     del first, second
     gc.collect()
-    assert mapping_of(chunk[0]) != chunk
+    after = mapping_of(chunk.lo)
+    assert after is None or (after.lo, after.hi) != (chunk.lo, chunk.hi)
 
 
 @needs_compiler
