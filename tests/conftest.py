@@ -210,7 +210,7 @@ def hf_default(default_gguf):
     return tok, model
 
 
-@pytest.fixture(params=["portable", "avx2", "avx512"])
+@pytest.fixture(params=["portable", "avx2", "avx512", "amx"])
 def quant_path(request):
     """The block-format kernels forced onto one dispatch path (skipped where the CPU lacks it)."""
     from nanoinfer.kernels import quant

@@ -16,7 +16,8 @@ Each output row depends only on its own input row: the same bits alone or in any
 the same bits on every path (`paths()`: "avx512" where the CPU has AVX-512 F/BW/VL and
 VNNI, "avx2" where it has AVX2+FMA+F16C, "portable" everywhere). The fastest path runs
 unless `set_path(name)` or NANOINFER_QUANT_PATH (read at import and by `set_path(None)`)
-names one.
+names one. "amx" (Q4_K and Q5_K on the AMX tile unit from 16 rows, csrc/quant/x86_amx.h) runs
+only when named: not yet measured faster end to end.
 
 Error against x @ dequantize(W).T (fp64): the activation rounding, at most half a step
 d_x / 2 per value (d_x = max|x| / 127 over the value's block), times |w|, summed, plus fp32
@@ -76,7 +77,7 @@ def read_records(path: Path = TYPES_DEF) -> dict[int, QuantType]:
 
 RECORDS = read_records()  # GGML id -> its record: the types with kernels
 QUANT_TYPES: tuple[GGMLQuantizationType, ...] = tuple(t for t in T if t in RECORDS)  # the same, as gguf's enum
-_PATH_CODES = {"portable": 1, "avx2": 2, "avx512": 3}  # PATH_* in csrc/quant_gemm.cpp; 0 = the fastest available
+_PATH_CODES = {"portable": 1, "avx2": 2, "avx512": 3, "amx": 4}  # PATH_* in csrc/quant_gemm.cpp; 0 = the fastest available
 _ERRORS = {-1: "no kernel for this type", -2: "path not available on this CPU", -3: "K is not a multiple of the block",
            -4: "a row index is out of range", -5: "the type has no repacked layout"}
 
@@ -119,12 +120,20 @@ def supported(qtype: int) -> bool:
 
 
 def paths() -> list[str]:
-    """The paths this CPU runs, fastest last ([] without the compiled library)."""
+    """The paths this CPU runs ([] without the compiled library), in _PATH_CODES' order: the
+    default (`default_path()`) is the last but "amx", which runs only when named."""
     lib = cpu_kernels.library()
     if lib is None:
         return []
     mask = lib.quant_paths()
     return [name for name, code in _PATH_CODES.items() if mask & (1 << code)]
+
+
+def default_path() -> str | None:
+    """The path that runs unless one is named: the fastest of this CPU's but "amx" (None
+    without the compiled library)."""
+    named = [p for p in paths() if p != "amx"]
+    return named[-1] if named else None
 
 
 def set_path(name: str | None) -> None:

@@ -71,12 +71,13 @@
 #if defined(QG_X86)
 #include "quant/x86_avx2.h"
 #include "quant/x86_avx512.h"
+#include "quant/x86_amx.h"
 #endif
 #include "team.h"
 
 namespace {
 
-enum : int { PATH_BEST = 0, PATH_PORTABLE = 1, PATH_AVX2 = 2, PATH_AVX512 = 3 };
+enum : int { PATH_BEST = 0, PATH_PORTABLE = 1, PATH_AVX2 = 2, PATH_AVX512 = 3, PATH_AMX = 4 };
 
 constexpr int64_t NCHUNK = 16;   // weight rows per unit of work (a thread's share is whole chunks)
 constexpr int MT = kTileRows;    // activation rows per tile: one weight block decoded serves them all
@@ -84,6 +85,9 @@ constexpr int MT = kTileRows;    // activation rows per tile: one weight block d
 #if !defined(QG_X86)
 bool have_avx2() { return false; }
 bool have_avx512() { return false; }
+bool have_amx() { return false; }
+constexpr bool amx_has(int) { return false; }
+constexpr int kAmxCallRows = 0;
 #endif
 
 // ---- activations ----------------------------------------------------------------------
@@ -138,10 +142,12 @@ void quantize_row(const float* x, int64_t K, int64_t B, int8_t* q, float* d, flo
 template <int T, auto Dot>
 RowsFn kernel_for(int path) {
 #if defined(QG_X86)
+    if constexpr (amx_has(T))
+        if (path == PATH_AMX) return rows_amx<T>;
     if constexpr (avx512_has(T))
-        if (path == PATH_AVX512) return rows_avx512<T>;
+        if (path == PATH_AVX512 || path == PATH_AMX) return rows_avx512<T>;
     if constexpr (avx2_has(T))
-        if (path == PATH_AVX2 || path == PATH_AVX512) return rows_avx2<T>;
+        if (path == PATH_AVX2 || path == PATH_AVX512 || path == PATH_AMX) return rows_avx2<T>;
 #endif
     (void)path;
     if constexpr (interleave_of(T) == kGroup) return rows_portable_grouped<T>;
@@ -166,13 +172,13 @@ void drive_chunk(const Ctx& c, RowsFn fn, int64_t ch) {
     if (c.stream) {
         const int64_t step = c.grouped ? 2 * kGroup : 8;  // two repacked groups: the AVX-512 tiles' 16 rows
         for (int64_t n = n0; n < n1; n += step)
-            for (int64_t m0 = 0; m0 < c.M; m0 += MT)
-                fn(c, n, int(std::min<int64_t>(step, n1 - n)), m0, int(std::min<int64_t>(MT, c.M - m0)));
+            for (int64_t m0 = 0; m0 < c.M; m0 += c.call_rows)
+                fn(c, n, int(std::min<int64_t>(step, n1 - n)), m0, int(std::min<int64_t>(c.call_rows, c.M - m0)));
     } else {
         const int64_t step = c.grouped ? 2 * kGroup : 2;
-        for (int64_t m0 = 0; m0 < c.M; m0 += MT)
+        for (int64_t m0 = 0; m0 < c.M; m0 += c.call_rows)
             for (int64_t n = n0; n < n1; n += step)
-                fn(c, n, int(std::min<int64_t>(step, n1 - n)), m0, int(std::min<int64_t>(MT, c.M - m0)));
+                fn(c, n, int(std::min<int64_t>(step, n1 - n)), m0, int(std::min<int64_t>(c.call_rows, c.M - m0)));
     }
 }
 
@@ -242,17 +248,19 @@ int check_linear(int qtype, int& path, int64_t K, bool repacked) {
     if (repacked && interleave_of(qtype) == 1) return -5;
     if (K <= 0 || K % block_values(qtype) != 0) return -3;
     if (path == PATH_BEST) path = have_avx512() ? PATH_AVX512 : have_avx2() ? PATH_AVX2 : PATH_PORTABLE;
-    if ((path == PATH_AVX2 && !have_avx2()) || (path == PATH_AVX512 && !have_avx512())) return -2;
-    if (path != PATH_AVX512 && path != PATH_AVX2 && path != PATH_PORTABLE) return -2;
+    if ((path == PATH_AVX2 && !have_avx2()) || (path == PATH_AVX512 && !have_avx512()) || (path == PATH_AMX && !have_amx()))
+        return -2;
+    if (path != PATH_AMX && path != PATH_AVX512 && path != PATH_AVX2 && path != PATH_PORTABLE) return -2;
     return 0;
 }
 
-Ctx linear_ctx(int qtype, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, bool repacked,
+Ctx linear_ctx(int qtype, int path, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, bool repacked,
                const float* bias, float* y, int64_t ldy) {
     const int64_t nb = K / block_values(qtype);
     nanoinfer::SidePrefetch& side = nanoinfer::side_prefetch();
     return Ctx{M, K, N, nb, nb * block_bytes(qtype), w, x, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, bias, y, ldy,
-               M <= nanoinfer::kStreamRows, repacked ? N - N % interleave_of(qtype) : 0, side.pending() ? &side : nullptr};
+               M <= nanoinfer::kStreamRows, repacked ? N - N % interleave_of(qtype) : 0, side.pending() ? &side : nullptr,
+               path == PATH_AMX && amx_has(qtype) ? kAmxCallRows : MT};
 }
 
 // out[r] = row rows[r] of w dequantised, block by block with the record's dequantize (a
@@ -302,7 +310,7 @@ __attribute__((noinline)) int quant_linear_team(int qtype, int path, const float
     if (const int rc = check_linear(qtype, path, K, repacked)) return rc;
     const RowsFn fn = pick(qtype, path);
     if (M <= 0 || N <= 0) return 0;
-    Ctx c = linear_ctx(qtype, x, M, K, w, N, repacked, bias, y, ldy);
+    Ctx c = linear_ctx(qtype, path, x, M, K, w, N, repacked, bias, y, ldy);
     if (acts_of(qtype) != ActsFormat::f32) {
         if (quantise) quantise_team(qtype, x, M, K, acts);
         point_acts(c, qtype, M, acts, 0);
@@ -325,7 +333,7 @@ __attribute__((noinline)) int quant_linear_grouped_team(int qtype, int path, con
     for (int64_t u = 0; u < G * chunks; u++) {
         const int64_t g = u / chunks, m0 = start[g], rows = start[g + 1] - m0;
         if (rows <= 0) continue;
-        Ctx c = linear_ctx(qtype, x + m0 * K, rows, K, w[g], N, repacked, nullptr, y + m0 * ldy, ldy);
+        Ctx c = linear_ctx(qtype, path, x + m0 * K, rows, K, w[g], N, repacked, nullptr, y + m0 * ldy, ldy);
         if (acts_of(qtype) != ActsFormat::f32) point_acts(c, qtype, M, acts, m0);
         // Streaming, a thread runs on from one expert's last chunk into the next expert's first,
         // elsewhere in memory, which its prefetch ahead did not reach: the head of that weight
@@ -340,9 +348,10 @@ __attribute__((noinline)) int quant_linear_grouped_team(int qtype, int path, con
 
 }  // namespace nanoinfer
 
-// Bit p set when path p (PATH_PORTABLE, PATH_AVX2, PATH_AVX512) runs on this CPU.
+// Bit p set when path p (PATH_PORTABLE, PATH_AVX2, PATH_AVX512, PATH_AMX) runs on this CPU.
 extern "C" int quant_paths() {
-    return (1 << PATH_PORTABLE) | (have_avx2() ? 1 << PATH_AVX2 : 0) | (have_avx512() ? 1 << PATH_AVX512 : 0);
+    return (1 << PATH_PORTABLE) | (have_avx2() ? 1 << PATH_AVX2 : 0) | (have_avx512() ? 1 << PATH_AVX512 : 0) |
+           (have_amx() ? 1 << PATH_AMX : 0);
 }
 
 // The arguments of quant_linear, as one array of int64 (one ctypes argument converts faster
@@ -391,12 +400,13 @@ extern "C" int quant_linear(const LinearArgs* a) {
 // of plain C++ is no machine peak).
 extern "C" int64_t quant_dot_peak(int path, int64_t reps) {
     if (path == PATH_BEST) path = have_avx512() ? PATH_AVX512 : have_avx2() ? PATH_AVX2 : PATH_PORTABLE;
-    if ((path == PATH_AVX512 && !have_avx512()) || (path == PATH_AVX2 && !have_avx2()) || path == PATH_PORTABLE)
+    if ((path == PATH_AVX512 && !have_avx512()) || (path == PATH_AMX && !have_amx()) || (path == PATH_AVX2 && !have_avx2()) ||
+        path == PATH_PORTABLE)
         return -1;
     int64_t ops = 0;
 #if defined(QG_X86)
 #pragma omp parallel reduction(+ : ops)
-    ops += path == PATH_AVX512 ? dot_peak_avx512(reps) : dot_peak_avx2(reps);
+    ops += path == PATH_AVX512 || path == PATH_AMX ? dot_peak_avx512(reps) : dot_peak_avx2(reps);
 #endif
     return ops > 0 ? ops : -1;
 }

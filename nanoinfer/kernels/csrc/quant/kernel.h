@@ -137,6 +137,7 @@ struct Ctx {
     bool stream;              // each weight row is read once (decode sizes): prefetch ahead
     int64_t grouped;          // the first `grouped` rows are in the repacked layout (quant/packed.h), 0: none
     nanoinfer::SidePrefetch* side;  // this thread's side ranges to prefetch while streaming (side_prefetch.h), or null
+    int call_rows = 8;        // activation rows the driver hands a kernel call: kTileRows, or the path's own (x86_amx.h)
 };
 
 // A path's kernel for one type: outputs y[m0 .. m0 + mt - 1, n .. n + cols - 1] (cols <= 16,

@@ -1,0 +1,223 @@
+// The AMX path (AMX-TILE and AMX-INT8 beside the AVX-512 path's features), chosen by name only
+// (NANOINFER_QUANT_PATH=amx): Q4_K and Q5_K weights in calls of 16 activation rows or more hand
+// their 8-bit products to the tile unit; everything else on this path is the AVX-512 path's
+// (quant/x86_avx512.h, which this file builds on). Measured on a 2-vCPU Xeon (Emerald Rapids), the
+// 1.5B's Q4_K linears at 64-512 rows took 1.04-1.9x less time than on the AVX-512 tiles, never
+// more; end to end it is not yet the default (docs/benchmarks.md, the AMX section).
+//
+// A call takes two groups (16 outputs) and up to kAmxCallRows rows. The weights are unpacked once
+// for all of them into B tiles (k_scaled_weights), then each A tile of up to 16 rows (the int8
+// activations, read in place at their row stride) meets them in TDPBSUD, one pair of C tiles per
+// 256-value block (C_lo, C_hi: the sub-block scales split in two, see k_scaled_weights), and the
+// epilogue (k_tile_rows) runs the AVX-512 tile's mins and float operations in its order on
+// C_lo + 8 C_hi, the exact integer that tile makes with vpmulld. So the paths agree bit for bit.
+//
+// No SIMDe build has the tile unit (tests run this path where the CPU has it), and Linux hands a
+// process the tile registers only when it asks (have_amx).
+#pragma once
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "kernel.h"
+#include "packed.h"
+#include "types.h"
+#include "x86_avx512.h"
+
+#if defined(QG_X86) && !defined(QG_EMULATE_AVX512)
+#define QG_AMX_BUILD 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace {
+
+#if defined(QG_AMX_BUILD)
+#define QG_AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+// ldtilecfg's 64-byte operand, palette 1: each tile's rows and bytes a row.
+struct alignas(64) TileConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// The tile instructions, each an asm statement: GCC's intrinsics (12) tell the compiler neither
+// that tileloadd reads the buffer the weights were just stored to, nor that tilestored writes the
+// one read next, nor all 64 bytes that ldtilecfg reads; a memory clobber on each does.
+#define QG_TILE_LOADD(t, base, stride) asm volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(base), "r"(int64_t(stride)) : "memory")
+#define QG_TILE_STORED(t, base, stride) asm volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"(base), "r"(int64_t(stride)) : "memory")
+#define QG_TILE_ZERO(t) asm volatile("tilezero %%tmm" #t ::)
+#define QG_TILE_DPBSUD(c, a, b) asm volatile("tdpbsud %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
+
+// Activation rows per call on this path: the driver hands a K-quant's two groups this many rows
+// at once, so their weights are unpacked once for all of them (kTileRows elsewhere).
+constexpr int kAmxCallRows = 64;
+constexpr int kAmxTileRows = 16;  // an A tile's rows
+
+// Scratch of a thread, 64-byte aligned, grown as needed: the unpacked weights and the tiles' sums.
+QG_AMX inline uint8_t* amx_scratch(int64_t bytes) {
+    thread_local std::vector<uint8_t> buf;
+    if (int64_t(buf.size()) < bytes + 64) buf.resize(bytes + 64);
+    return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+}
+
+// One 256-value block's B tiles for Q4_K / Q5_K (two groups, 16 outputs), 8 KiB at out: the
+// weights times the low 3 bits of their sub-block's 6-bit scale (4 tiles of 64 values: row r of
+// tile q holds values 64q + 4r .. + 3 of the 16 outputs), then times its high 3 bits (4 more).
+// A byte times 0..7 stays a byte (31 x 7 = 217), and vpmullw on the 16-bit pairs of bytes
+// multiplies both without a carry between them, so sum_j s_j dot_j, the integer the AVX-512 tile
+// makes with vpmulld, is C_lo + 8 C_hi, exactly, with one pair of C tiles a block.
+template <int T>
+QG_AMX inline void k_scaled_weights(const uint8_t* const* gb, const KScales* ks, uint8_t* out) {
+    for (int j = 0; j < 8; j++) {
+        __m256i part[2];
+        for (int k = 0; k < 2; k++) part[k] = ks[k].scale32(j);
+        const __m512i s = join<2>(part);
+        const __m512i lo = _mm512_and_si512(s, _mm512_set1_epi32(7)), hi = _mm512_srli_epi32(s, 3);
+        const __m512i lo2 = _mm512_or_si512(lo, _mm512_slli_epi32(lo, 16)), hi2 = _mm512_or_si512(hi, _mm512_slli_epi32(hi, 16));
+        uint8_t* at = out + 1024 * (j / 2) + 512 * (j & 1);
+        for (int v = 0; v < 8; v++) {
+            const __m512i w = k_weights_of<T, 2>(gb, j, v);
+            _mm512_store_si512(at + 64 * v, _mm512_mullo_epi16(w, lo2));
+            _mm512_store_si512(at + 4096 + 64 * v, _mm512_mullo_epi16(w, hi2));
+        }
+    }
+}
+
+// C_lo, C_hi of rows [m, m + rows) for each block: sums[b] 2 x 16 rows x 16 int32.
+QG_AMX inline void k_tile_sums(const int8_t* q, int64_t K, int64_t nb, const uint8_t* wts, int32_t* sums) {
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* w = wts + 8192 * b;
+        const int8_t* x = q + 256 * b;
+        QG_TILE_ZERO(0);
+        QG_TILE_ZERO(1);
+        QG_TILE_LOADD(2, x, K);
+        QG_TILE_LOADD(4, w, 64);
+        QG_TILE_LOADD(6, w + 4096, 64);
+        QG_TILE_DPBSUD(0, 2, 4);
+        QG_TILE_DPBSUD(1, 2, 6);
+        QG_TILE_LOADD(3, x + 64, K);
+        QG_TILE_LOADD(5, w + 1024, 64);
+        QG_TILE_LOADD(7, w + 4096 + 1024, 64);
+        QG_TILE_DPBSUD(0, 3, 5);
+        QG_TILE_DPBSUD(1, 3, 7);
+        QG_TILE_LOADD(2, x + 128, K);
+        QG_TILE_LOADD(4, w + 2048, 64);
+        QG_TILE_LOADD(6, w + 4096 + 2048, 64);
+        QG_TILE_DPBSUD(0, 2, 4);
+        QG_TILE_DPBSUD(1, 2, 6);
+        QG_TILE_LOADD(3, x + 192, K);
+        QG_TILE_LOADD(5, w + 3072, 64);
+        QG_TILE_LOADD(7, w + 4096 + 3072, 64);
+        QG_TILE_DPBSUD(0, 3, 5);
+        QG_TILE_DPBSUD(1, 3, 7);
+        QG_TILE_STORED(0, sums + 512 * b, 64);
+        QG_TILE_STORED(1, sums + 512 * b + 256, 64);
+    }
+}
+
+// Rows m .. m + R - 1 from the tiles' sums: per block the mins, then d * d_x * (C_lo + 8 C_hi),
+// groupk_avx512's float operations in its order.
+template <int T, int R>
+QG_AMX void k_tile_rows(const Ctx& c, int64_t n, int64_t m, const int32_t* sums) {
+    using L = PackedK<T>;
+    const KActs<R> x(c, m);
+    __m512 acc[R];
+    for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < c.nb; b++) {
+        const uint8_t* gb[2];
+        group_blocks<T, 2, false>(c, n, b, L::group_bytes, gb);
+        KScales ks[2];
+        for (int k = 0; k < 2; k++) ks[k] = KScales(gb[k] + L::sc);
+        sub_k_mins<2, R>(acc, ks, x, b, gb);
+        const __m512 dv = halves_of<2>(gb, 0);
+        const int32_t* s = sums + 512 * b;
+        for (int i = 0; i < R; i++) {
+            const __m512i isum = _mm512_add_epi32(_mm512_load_si512(s + 16 * i), _mm512_slli_epi32(_mm512_load_si512(s + 256 + 16 * i), 3));
+            acc[i] = v_fma(acc[i], dv, x.xd[i] + b, isum);
+        }
+    }
+    store_groups<2, R>(c, n, m, acc);
+}
+
+template <int T>
+struct AmxRows {
+    const Ctx& c;
+    int64_t n;
+    const int32_t* sums;
+    template <int R>
+    QG_AMX void run(int64_t m) const { k_tile_rows<T, R>(c, n, m, sums); }
+};
+
+// groupk_avx512's outputs for two groups (rows n .. n + 15), rows m0 .. m0 + mt - 1, on the tiles:
+// the weights unpacked and scaled once (k_scaled_weights), then each A tile of up to 16 rows.
+template <int T>
+QG_AMX void groupk_amx(const Ctx& c, int64_t n, int64_t m0, int mt) {
+    using L = PackedK<T>;
+    uint8_t* wts = amx_scratch(8192 * c.nb + 2048 * c.nb * 4);
+    int32_t* sums = reinterpret_cast<int32_t*>(wts + 8192 * c.nb);
+    for (int64_t b = 0; b < c.nb; b++) {
+        const uint8_t* gb[2];
+        if (c.stream) group_blocks<T, 2, true>(c, n, b, L::group_bytes, gb);
+        else group_blocks<T, 2, false>(c, n, b, L::group_bytes, gb);
+        KScales ks[2];
+        for (int k = 0; k < 2; k++) ks[k] = KScales(gb[k] + L::sc);
+        k_scaled_weights<T>(gb, ks, wts + 8192 * b);
+    }
+    for (int64_t m = m0; m < m0 + mt; m += kAmxTileRows) {
+        const int rows = int(std::min<int64_t>(kAmxTileRows, m0 + mt - m));
+        TileConfig cfg{};
+        cfg.palette = 1;
+        for (int t = 0; t < 2; t++) cfg.rows[t] = uint8_t(rows), cfg.colsb[t] = 64;  // C
+        for (int t = 2; t < 4; t++) cfg.rows[t] = uint8_t(rows), cfg.colsb[t] = 64;  // A
+        for (int t = 4; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;             // B
+        asm volatile("ldtilecfg %0" ::"m"(cfg) : "memory");
+        k_tile_sums(c.q + m * c.K, c.K, c.nb, wts, sums);
+        asm volatile("tilerelease" ::: "memory");
+        tile_of_rows<kAmxTileRows>(AmxRows<T>{c, n, sums}, m, rows);
+    }
+}
+
+// The fewest rows of a linear that go to the tile unit (fewer run the AVX-512 tiles): at 2-8 rows
+// the unpacking was not paid back (an earlier version 1.8-2.8x slower there).
+constexpr int kAmxMinRows = 16;
+
+// The types this path runs on the tile unit.
+constexpr bool amx_has(int t) { return t == Q4_K || t == Q5_K; }
+
+// rows_avx512, but two groups of an amx_has type for kAmxMinRows rows or more on the tiles.
+template <int T>
+QG_AMX void rows_amx(const Ctx& c, int64_t n, int cols, int64_t m0, int mt) {
+    if constexpr (amx_has(T)) {
+        if (cols == 2 * kGroup && n + 2 * kGroup <= c.grouped && c.M >= kAmxMinRows) return groupk_amx<T>(c, n, m0, mt);
+    }
+    for (int64_t m = m0; m < m0 + mt; m += kTileRows)
+        rows_avx512<T>(c, n, cols, m, int(std::min<int64_t>(kTileRows, m0 + mt - m)));
+}
+
+// AMX-TILE and AMX-INT8 on the CPU with the AVX-512 path, and Linux's leave to use the tile
+// registers (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, once per process; a kernel that
+// predates it, or a VM that hides the state from XCR0, refuses).
+bool have_amx() {
+    static const bool ok = [] {
+        if (!have_avx512()) return false;
+        unsigned a, b, c, d;
+        if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+        const unsigned tile = 1u << 24, int8 = 1u << 25;
+        if (!(d & tile) || !(d & int8)) return false;
+        constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+        if (syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) != 0) return false;
+        unsigned lo, hi;
+        asm volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+        return (lo & (3u << 17)) == (3u << 17);
+    }();
+    return ok;
+}
+#else
+constexpr int kAmxCallRows = 0;
+constexpr bool amx_has(int) { return false; }
+bool have_amx() { return false; }
+#endif
+
+}  // namespace
