@@ -85,6 +85,16 @@ QG_AMX inline void k_scaled_weights(const uint8_t* const* gb, const KScales* ks,
     }
 }
 
+// One 64-value step of a block: A (tile a) from x + 64 q, B lo and hi (tiles blo, bhi) from the
+// block's tiles q and 4 + q, into C_lo (tmm0) and C_hi (tmm1). Tile numbers are immediates, so the
+// steps alternate two sets of tiles by macro, letting a step's loads overlap the last one's products.
+#define QG_K_TILE_STEP(a, blo, bhi, q)               \
+    QG_TILE_LOADD(a, x + 64 * (q), K);               \
+    QG_TILE_LOADD(blo, w + 1024 * (q), 64);          \
+    QG_TILE_LOADD(bhi, w + 4096 + 1024 * (q), 64);   \
+    QG_TILE_DPBSUD(0, a, blo);                       \
+    QG_TILE_DPBSUD(1, a, bhi)
+
 // C_lo, C_hi of rows [m, m + rows) for each block: sums[b] 2 x 16 rows x 16 int32.
 QG_AMX inline void k_tile_sums(const int8_t* q, int64_t K, int64_t nb, const uint8_t* wts, int32_t* sums) {
     for (int64_t b = 0; b < nb; b++) {
@@ -92,30 +102,15 @@ QG_AMX inline void k_tile_sums(const int8_t* q, int64_t K, int64_t nb, const uin
         const int8_t* x = q + 256 * b;
         QG_TILE_ZERO(0);
         QG_TILE_ZERO(1);
-        QG_TILE_LOADD(2, x, K);
-        QG_TILE_LOADD(4, w, 64);
-        QG_TILE_LOADD(6, w + 4096, 64);
-        QG_TILE_DPBSUD(0, 2, 4);
-        QG_TILE_DPBSUD(1, 2, 6);
-        QG_TILE_LOADD(3, x + 64, K);
-        QG_TILE_LOADD(5, w + 1024, 64);
-        QG_TILE_LOADD(7, w + 4096 + 1024, 64);
-        QG_TILE_DPBSUD(0, 3, 5);
-        QG_TILE_DPBSUD(1, 3, 7);
-        QG_TILE_LOADD(2, x + 128, K);
-        QG_TILE_LOADD(4, w + 2048, 64);
-        QG_TILE_LOADD(6, w + 4096 + 2048, 64);
-        QG_TILE_DPBSUD(0, 2, 4);
-        QG_TILE_DPBSUD(1, 2, 6);
-        QG_TILE_LOADD(3, x + 192, K);
-        QG_TILE_LOADD(5, w + 3072, 64);
-        QG_TILE_LOADD(7, w + 4096 + 3072, 64);
-        QG_TILE_DPBSUD(0, 3, 5);
-        QG_TILE_DPBSUD(1, 3, 7);
+        QG_K_TILE_STEP(2, 4, 6, 0);
+        QG_K_TILE_STEP(3, 5, 7, 1);
+        QG_K_TILE_STEP(2, 4, 6, 2);
+        QG_K_TILE_STEP(3, 5, 7, 3);
         QG_TILE_STORED(0, sums + 512 * b, 64);
         QG_TILE_STORED(1, sums + 512 * b + 256, 64);
     }
 }
+#undef QG_K_TILE_STEP
 
 // Rows m .. m + R - 1 from the tiles' sums: per block the mins, then d * d_x * (C_lo + 8 C_hi),
 // groupk_avx512's float operations in its order.
@@ -155,12 +150,11 @@ struct AmxRows {
 template <int T>
 QG_AMX void groupk_amx(const Ctx& c, int64_t n, int64_t m0, int mt) {
     using L = PackedK<T>;
-    uint8_t* wts = amx_scratch(8192 * c.nb + 2048 * c.nb * 4);
+    uint8_t* wts = amx_scratch(8192 * c.nb + 2048 * c.nb);  // B tiles, then sums
     int32_t* sums = reinterpret_cast<int32_t*>(wts + 8192 * c.nb);
     for (int64_t b = 0; b < c.nb; b++) {
         const uint8_t* gb[2];
-        if (c.stream) group_blocks<T, 2, true>(c, n, b, L::group_bytes, gb);
-        else group_blocks<T, 2, false>(c, n, b, L::group_bytes, gb);
+        group_blocks<T, 2, false>(c, n, b, L::group_bytes, gb);  // never streamed: kAmxMinRows is above team.h's kStreamRows
         KScales ks[2];
         for (int k = 0; k < 2; k++) ks[k] = KScales(gb[k] + L::sc);
         k_scaled_weights<T>(gb, ks, wts + 8192 * b);
