@@ -112,37 +112,38 @@ QG_AMX inline void k_tile_sums(const int8_t* q, int64_t K, int64_t nb, const uin
 }
 #undef QG_K_TILE_STEP
 
+// A block's epilogue operands for the two groups, made once a call (not once an A tile): the mins'
+// int16 pairs (k_min_pairs), dmin and d.
+struct alignas(64) KBlockEpilogue {
+    __m512i mp[4];
+    __m512 dmin, d;
+};
+
 // Rows m .. m + R - 1 from the tiles' sums: per block the mins, then d * d_x * (C_lo + 8 C_hi),
 // groupk_avx512's float operations in its order.
-template <int T, int R>
-QG_AMX void k_tile_rows(const Ctx& c, int64_t n, int64_t m, const int32_t* sums) {
-    using L = PackedK<T>;
+template <int R>
+QG_AMX void k_tile_rows(const Ctx& c, int64_t n, int64_t m, const KBlockEpilogue* ep, const int32_t* sums) {
     const KActs<R> x(c, m);
     __m512 acc[R];
     for (int i = 0; i < R; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < c.nb; b++) {
-        const uint8_t* gb[2];
-        group_blocks<T, 2, false>(c, n, b, L::group_bytes, gb);
-        KScales ks[2];
-        for (int k = 0; k < 2; k++) ks[k] = KScales(gb[k] + L::sc);
-        sub_k_mins<2, R>(acc, ks, x, b, gb);
-        const __m512 dv = halves_of<2>(gb, 0);
+        sub_k_mins_of<2, R>(acc, ep[b].mp, ep[b].dmin, x, b);
         const int32_t* s = sums + 512 * b;
         for (int i = 0; i < R; i++) {
             const __m512i isum = _mm512_add_epi32(_mm512_load_si512(s + 16 * i), _mm512_slli_epi32(_mm512_load_si512(s + 256 + 16 * i), 3));
-            acc[i] = v_fma(acc[i], dv, x.xd[i] + b, isum);
+            acc[i] = v_fma(acc[i], ep[b].d, x.xd[i] + b, isum);
         }
     }
     store_groups<2, R>(c, n, m, acc);
 }
 
-template <int T>
 struct AmxRows {
     const Ctx& c;
     int64_t n;
+    const KBlockEpilogue* ep;
     const int32_t* sums;
     template <int R>
-    QG_AMX void run(int64_t m) const { k_tile_rows<T, R>(c, n, m, sums); }
+    QG_AMX void run(int64_t m) const { k_tile_rows<R>(c, n, m, ep, sums); }
 };
 
 // groupk_avx512's outputs for two groups (rows n .. n + 15), rows m0 .. m0 + mt - 1, on the tiles:
@@ -150,14 +151,19 @@ struct AmxRows {
 template <int T>
 QG_AMX void groupk_amx(const Ctx& c, int64_t n, int64_t m0, int mt) {
     using L = PackedK<T>;
-    uint8_t* wts = amx_scratch(8192 * c.nb + 2048 * c.nb);  // B tiles, then sums
+    // B tiles, then the tiles' sums, then the epilogue's operands
+    uint8_t* wts = amx_scratch((8192 + 2048 + int64_t(sizeof(KBlockEpilogue))) * c.nb);
     int32_t* sums = reinterpret_cast<int32_t*>(wts + 8192 * c.nb);
+    KBlockEpilogue* ep = reinterpret_cast<KBlockEpilogue*>(wts + (8192 + 2048) * c.nb);
     for (int64_t b = 0; b < c.nb; b++) {
         const uint8_t* gb[2];
         group_blocks<T, 2, false>(c, n, b, L::group_bytes, gb);  // never streamed: kAmxMinRows is above team.h's kStreamRows
         KScales ks[2];
         for (int k = 0; k < 2; k++) ks[k] = KScales(gb[k] + L::sc);
         k_scaled_weights<T>(gb, ks, wts + 8192 * b);
+        k_min_pairs<2>(ks, ep[b].mp);
+        ep[b].dmin = halves_of<2>(gb, 16);
+        ep[b].d = halves_of<2>(gb, 0);
     }
     for (int64_t m = m0; m < m0 + mt; m += kAmxTileRows) {
         const int rows = int(std::min<int64_t>(kAmxTileRows, m0 + mt - m));
@@ -169,7 +175,7 @@ QG_AMX void groupk_amx(const Ctx& c, int64_t n, int64_t m0, int mt) {
         asm volatile("ldtilecfg %0" ::"m"(cfg) : "memory");
         k_tile_sums(c.q + m * c.K, c.K, c.nb, wts, sums);
         asm volatile("tilerelease" ::: "memory");
-        tile_of_rows<kAmxTileRows>(AmxRows<T>{c, n, sums}, m, rows);
+        tile_of_rows<kAmxTileRows>(AmxRows{c, n, ep, sums}, m, rows);
     }
 }
 

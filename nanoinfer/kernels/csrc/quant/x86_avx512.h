@@ -276,6 +276,24 @@ QG_AVX512 inline void add_scaled_pair(VecI<G>* isum, const VecI<G>* p0, const Ve
     }
 }
 
+// The G groups' mins 2p and 2p + 1 as int16 pairs, p = 0 .. 3 (sub_k_mins' operands).
+template <int G>
+QG_AVX512 inline void k_min_pairs(const KScales* ks, VecI<G>* mp) {
+    for (int p = 0; p < 4; p++) {
+        __m256i part[G];
+        for (int k = 0; k < G; k++) part[k] = ks[k].min_pair16(p);
+        mp[p] = join<G>(part);
+    }
+}
+// sub_k_mins from its operands: the mins' pairs (k_min_pairs) and dmin (dmv) of block b.
+template <int G, int R>
+QG_AVX512 inline void sub_k_mins_of(VecF<G>* acc, const VecI<G>* mp, VecF<G> dmv, const KActs<R>& x, int64_t b) {
+    for (int i = 0; i < R; i++) {
+        VecI<G> ms = v_madd16(mp[0], x.xb[i] + b * kSums32);
+        for (int p = 1; p < 4; p++) ms = v_add(ms, v_madd16(mp[p], x.xb[i] + b * kSums32 + 2 * p));
+        acc[i] = v_fnma(acc[i], dmv, x.xd[i] + b, ms);
+    }
+}
 // Q4_K, Q5_K: acc[i] minus dmin * d_x * row i's sum_j m_j * (the sum of x over sub-block j),
 // for G groups: k_min_sums' integers (exact, so the same whatever the order), a row at a time
 // into its accumulator on the G groups' lanes at once. (k_min_sums for each group, then joined,
@@ -283,17 +301,8 @@ QG_AVX512 inline void add_scaled_pair(VecI<G>* isum, const VecI<G>* p0, const Ve
 template <int G, int R>
 QG_AVX512 inline void sub_k_mins(VecF<G>* acc, const KScales* ks, const KActs<R>& x, int64_t b, const uint8_t* const* gb) {
     VecI<G> mp[4];
-    for (int p = 0; p < 4; p++) {
-        __m256i part[G];
-        for (int k = 0; k < G; k++) part[k] = ks[k].min_pair16(p);
-        mp[p] = join<G>(part);
-    }
-    const VecF<G> dmv = halves_of<G>(gb, 16);
-    for (int i = 0; i < R; i++) {
-        VecI<G> ms = v_madd16(mp[0], x.xb[i] + b * kSums32);
-        for (int p = 1; p < 4; p++) ms = v_add(ms, v_madd16(mp[p], x.xb[i] + b * kSums32 + 2 * p));
-        acc[i] = v_fnma(acc[i], dmv, x.xd[i] + b, ms);
-    }
+    k_min_pairs<G>(ks, mp);
+    sub_k_mins_of<G, R>(acc, mp, halves_of<G>(gb, 16), x, b);
 }
 
 // isum[i] += p[i] * scale j (each group's KScales scale32).
