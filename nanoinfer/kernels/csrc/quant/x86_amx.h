@@ -10,7 +10,8 @@
 // activations, read in place at their row stride) meets them in TDPBSUD, one pair of C tiles per
 // 256-value block (C_lo, C_hi: the sub-block scales split in two, see k_scaled_weights), and the
 // epilogue (k_tile_rows) runs the AVX-512 tile's mins and float operations in its order on
-// C_lo + 8 C_hi, the exact integer that tile makes with vpmulld. So the paths agree bit for bit.
+// C_lo + 8 C_hi, the exact integer that tile makes with vpmulld. So the paths agree bit for bit. A
+// short tail of a call's rows (kAmxTailRows) runs the AVX-512 tiles.
 //
 // No SIMDe build has the tile unit (tests run this path where the CPU has it), and Linux hands a
 // process the tile registers only when it asks (have_amx).
@@ -146,11 +147,23 @@ struct AmxRows {
     QG_AMX void run(int64_t m) const { k_tile_rows<R>(c, n, m, ep, sums); }
 };
 
+// Rows past the last full A tile go to the AVX-512 tiles when there are fewer than this: an A tile
+// costs its products and its epilogue at any height. One thread, K = 1536, weights in L1/L2 on
+// the Xeon (Emerald Rapids), ns per 16 rows x 16 outputs x 256 values, all rows on the tiles
+// against the tail on AVX-512: 17 rows 623-847 / 485-487, 20 rows 518-525 / 456-469; 24 rows
+// 434-441 / 460-595, 28 and 31 rows alike or better on the tiles.
+constexpr int kAmxTailRows = 8;
+
 // groupk_avx512's outputs for two groups (rows n .. n + 15), rows m0 .. m0 + mt - 1, on the tiles:
 // the weights unpacked and scaled once (k_scaled_weights), then each A tile of up to 16 rows.
 template <int T>
 QG_AMX void groupk_amx(const Ctx& c, int64_t n, int64_t m0, int mt) {
     using L = PackedK<T>;
+    if (const int tail = mt % kAmxTileRows; tail < kAmxTailRows) {
+        for (int64_t m = m0 + mt - tail; m < m0 + mt; m += kTileRows)
+            rows_avx512<T>(c, n, 2 * kGroup, m, int(std::min<int64_t>(kTileRows, m0 + mt - m)));
+        if ((mt -= tail) == 0) return;
+    }
     // B tiles, then the tiles' sums, then the epilogue's operands
     uint8_t* wts = amx_scratch((8192 + 2048 + int64_t(sizeof(KBlockEpilogue))) * c.nb);
     int32_t* sums = reinterpret_cast<int32_t*>(wts + 8192 * c.nb);
