@@ -208,6 +208,29 @@ def test_block_models_peak_is_the_8_bit_dot(tmp_path, monkeypatch):
     assert peaks_mod.resolve_peaks(cpu, torch.float32, block=True).compute == "matmul"
 
 
+def test_each_path_has_its_own_dot_peak():
+    """The 8-bit dot peak is the path's: cached under its name, and on a CPU with the tile unit
+    the AMX probe (TDPBSUD) well above the AVX-512 one (vpdpbusd)."""
+    from nanoinfer.kernels import quant
+
+    cpu, names = torch.device("cpu"), quant.paths()
+    if len(names) < 2:
+        pytest.skip("one path on this CPU")
+    keys, probes = set(), {}
+    try:
+        for name in names:
+            quant.set_path(name)
+            assert quant.path_name() == name
+            keys.add(peaks_mod.cache_key(cpu, torch.float32, block=True))
+            probes[name] = quant.dot_peak(0.05)
+    finally:
+        quant.set_path(None)
+    assert len(keys) == len(names)
+    assert quant.path_name() == quant.default_path()
+    if "amx" in probes:
+        assert probes["amx"] > 3 * probes["avx512"] > 0
+
+
 # --- the commands end to end ----------------------------------------------------------
 PEAKS = ["--peak-flops", "1e11", "--peak-bandwidth", "1e10"]
 

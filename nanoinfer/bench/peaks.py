@@ -112,8 +112,14 @@ def cache_path() -> Path:
 
 
 def cache_key(device: torch.device, dtype: torch.dtype, block: bool = False) -> str:
+    """block: the 8-bit dot peak of the kernels' current path (each path has its own)."""
     threads = torch.get_num_threads() if device.type == "cpu" else 0
-    kind = "int8-dot" if block else str(dtype).removeprefix('torch.')
+    if block:
+        from ..kernels import quant
+
+        kind = f"int8-dot-{quant.path_name()}"
+    else:
+        kind = str(dtype).removeprefix('torch.')
     return f"{device.type}|{device_name(device)}|threads={threads}|{kind}"
 
 

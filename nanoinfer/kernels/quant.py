@@ -173,6 +173,11 @@ def current_path() -> int:
     return _path
 
 
+def path_name() -> str | None:
+    """The name of the path calls run on now: the one named, else `default_path()`."""
+    return next((name for name, code in _PATH_CODES.items() if code == _path), None) or default_path()
+
+
 def error_message(rc: int) -> str:
     return _ERRORS.get(rc, str(rc))
 

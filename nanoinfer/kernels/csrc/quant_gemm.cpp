@@ -406,7 +406,7 @@ extern "C" int64_t quant_dot_peak(int path, int64_t reps) {
     int64_t ops = 0;
 #if defined(QG_X86)
 #pragma omp parallel reduction(+ : ops)
-    ops += path == PATH_AVX512 || path == PATH_AMX ? dot_peak_avx512(reps) : dot_peak_avx2(reps);
+    ops += path == PATH_AMX ? dot_peak_amx(reps) : path == PATH_AVX512 ? dot_peak_avx512(reps) : dot_peak_avx2(reps);
 #endif
     return ops > 0 ? ops : -1;
 }

@@ -18,6 +18,7 @@
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "kernel.h"
@@ -209,6 +210,38 @@ QG_AMX void rows_amx(const Ctx& c, int64_t n, int cols, int64_t m0, int mt) {
         rows_avx512<T>(c, n, cols, m, int(std::min<int64_t>(kTileRows, m0 + mt - m)));
 }
 
+// The tile unit's 8-bit dot peak, dot_peak_avx512's counterpart: four independent C tiles, each
+// TDPBSUD 16 x 16 outputs of 64 products from A and B tiles held in registers. Returns the
+// integer operations done (2 a product).
+QG_AMX __attribute__((noinline)) int64_t dot_peak_amx(int64_t reps) {
+    TileConfig cfg{};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    alignas(64) uint8_t ones[1024];
+    std::memset(ones, 1, sizeof ones);
+    asm volatile("ldtilecfg %0" ::"m"(cfg) : "memory");
+    QG_TILE_LOADD(4, ones, 64);
+    QG_TILE_LOADD(5, ones, 64);
+    QG_TILE_LOADD(6, ones, 64);
+    QG_TILE_LOADD(7, ones, 64);
+    QG_TILE_ZERO(0);
+    QG_TILE_ZERO(1);
+    QG_TILE_ZERO(2);
+    QG_TILE_ZERO(3);
+    for (int64_t r = 0; r < reps; r++) {
+        QG_TILE_DPBSUD(0, 4, 6);
+        QG_TILE_DPBSUD(1, 4, 7);
+        QG_TILE_DPBSUD(2, 5, 6);
+        QG_TILE_DPBSUD(3, 5, 7);
+    }
+    alignas(64) int32_t sums[256];
+    QG_TILE_STORED(0, sums, 64);
+    asm volatile("tilerelease" ::: "memory");
+    volatile int32_t sink = sums[0];
+    (void)sink;
+    return reps * 4 * (16 * 16 * 64) * 2;
+}
+
 // AMX-TILE and AMX-INT8 on the CPU with the AVX-512 path, and Linux's leave to use the tile
 // registers (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, once per process; a kernel that
 // predates it, or a VM that hides the state from XCR0, refuses).
@@ -231,6 +264,7 @@ bool have_amx() {
 constexpr int kAmxCallRows = 0;
 constexpr bool amx_has(int) { return false; }
 bool have_amx() { return false; }
+int64_t dot_peak_amx(int64_t) { return -1; }
 #endif
 
 }  // namespace
