@@ -55,7 +55,7 @@ def run(a: argparse.Namespace) -> int:
         raise NanoinferError(f"{a.model or 'the default model'}: no weight runs in a block kernel "
                              "(not a GGUF of block types, or no compiled kernels)")
     g = torch.Generator().manual_seed(a.seed)
-    path = a.path if a.path != "auto" else (quant.default_path() or "none")
+    path = quant.path_name() or "none"  # auto: NANOINFER_QUANT_PATH's, else the default
     print(f"bench linears: {a.model or 'the default model'}, path {path}, {n_threads} threads, median of {a.runs}")
     results, table = [], []
     for (type_name, shape), ws in sorted(sets.items(), key=lambda kv: (kv[0][0], kv[0][1] or ())):

@@ -243,6 +243,8 @@ def declare_quant(lib: ctypes.CDLL) -> None:
     p, i = ctypes.c_void_p, ctypes.c_int64
     lib.quant_paths.argtypes = []
     lib.quant_paths.restype = ctypes.c_int
+    lib.quant_default_path.argtypes = []
+    lib.quant_default_path.restype = ctypes.c_int
     lib.quant_types.argtypes = [p, ctypes.c_int]
     lib.quant_types.restype = ctypes.c_int
     lib.quant_linear.argtypes = [p]  # an int64 array of its arguments: kernels/quant.py

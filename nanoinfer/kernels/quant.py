@@ -132,8 +132,12 @@ def paths() -> list[str]:
 def default_path() -> str | None:
     """The path that runs unless one is named: the fastest of this CPU's but "amx" (None
     without the compiled library)."""
-    named = [p for p in paths() if p != "amx"]
-    return named[-1] if named else None
+    lib = cpu_kernels.library()
+    return None if lib is None else _path_name(lib.quant_default_path())
+
+
+def _path_name(code: int) -> str | None:
+    return next((name for name, c in _PATH_CODES.items() if c == code), None)
 
 
 def set_path(name: str | None) -> None:
@@ -175,7 +179,7 @@ def current_path() -> int:
 
 def path_name() -> str | None:
     """The name of the path calls run on now: the one named, else `default_path()`."""
-    return next((name for name, code in _PATH_CODES.items() if code == _path), None) or default_path()
+    return _path_name(_path) or default_path()
 
 
 def error_message(rc: int) -> str:

@@ -77,6 +77,7 @@
 
 namespace {
 
+// Each path builds on the ones below it: it runs their kernels for the types it has none of.
 enum : int { PATH_BEST = 0, PATH_PORTABLE = 1, PATH_AVX2 = 2, PATH_AVX512 = 3, PATH_AMX = 4 };
 
 constexpr int64_t NCHUNK = 16;   // weight rows per unit of work (a thread's share is whole chunks)
@@ -89,6 +90,20 @@ bool have_amx() { return false; }
 constexpr bool amx_has(int) { return false; }
 constexpr int kAmxCallRows = 0;
 #endif
+
+// Whether this CPU runs `path` (PATH_BEST not included).
+bool path_runs(int path) {
+    switch (path) {
+        case PATH_PORTABLE: return true;
+        case PATH_AVX2: return have_avx2();
+        case PATH_AVX512: return have_avx512();
+        case PATH_AMX: return have_amx();
+        default: return false;
+    }
+}
+
+// The path PATH_BEST names: the fastest this CPU runs but AMX, which runs only when named.
+int best_path() { return have_avx512() ? PATH_AVX512 : have_avx2() ? PATH_AVX2 : PATH_PORTABLE; }
 
 // ---- activations ----------------------------------------------------------------------
 
@@ -145,9 +160,9 @@ RowsFn kernel_for(int path) {
     if constexpr (amx_has(T))
         if (path == PATH_AMX) return rows_amx<T>;
     if constexpr (avx512_has(T))
-        if (path == PATH_AVX512 || path == PATH_AMX) return rows_avx512<T>;
+        if (path >= PATH_AVX512) return rows_avx512<T>;
     if constexpr (avx2_has(T))
-        if (path == PATH_AVX2 || path == PATH_AVX512 || path == PATH_AMX) return rows_avx2<T>;
+        if (path >= PATH_AVX2) return rows_avx2<T>;
 #endif
     (void)path;
     if constexpr (interleave_of(T) == kGroup) return rows_portable_grouped<T>;
@@ -247,11 +262,8 @@ int check_linear(int qtype, int& path, int64_t K, bool repacked) {
     if (block_bytes(qtype) == 0) return -1;
     if (repacked && interleave_of(qtype) == 1) return -5;
     if (K <= 0 || K % block_values(qtype) != 0) return -3;
-    if (path == PATH_BEST) path = have_avx512() ? PATH_AVX512 : have_avx2() ? PATH_AVX2 : PATH_PORTABLE;
-    if ((path == PATH_AVX2 && !have_avx2()) || (path == PATH_AVX512 && !have_avx512()) || (path == PATH_AMX && !have_amx()))
-        return -2;
-    if (path != PATH_AMX && path != PATH_AVX512 && path != PATH_AVX2 && path != PATH_PORTABLE) return -2;
-    return 0;
+    if (path == PATH_BEST) path = best_path();
+    return path_runs(path) ? 0 : -2;
 }
 
 Ctx linear_ctx(int qtype, int path, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, bool repacked,
@@ -350,9 +362,13 @@ __attribute__((noinline)) int quant_linear_grouped_team(int qtype, int path, con
 
 // Bit p set when path p (PATH_PORTABLE, PATH_AVX2, PATH_AVX512, PATH_AMX) runs on this CPU.
 extern "C" int quant_paths() {
-    return (1 << PATH_PORTABLE) | (have_avx2() ? 1 << PATH_AVX2 : 0) | (have_avx512() ? 1 << PATH_AVX512 : 0) |
-           (have_amx() ? 1 << PATH_AMX : 0);
+    int mask = 0;
+    for (int p = PATH_PORTABLE; p <= PATH_AMX; p++) mask |= path_runs(p) ? 1 << p : 0;
+    return mask;
 }
+
+// The path calls run on unless one is named (PATH_BEST's).
+extern "C" int quant_default_path() { return best_path(); }
 
 // The arguments of quant_linear, as one array of int64 (one ctypes argument converts faster
 // than ten): qtype, path (PATH_*), x, w, bias (or 0), y, M, K, N, repacked (w in the type's
@@ -399,10 +415,8 @@ extern "C" int quant_linear(const LinearArgs* a) {
 // u8 x s8 product, or -1 where there is no probe (the portable path: what the compiler makes
 // of plain C++ is no machine peak).
 extern "C" int64_t quant_dot_peak(int path, int64_t reps) {
-    if (path == PATH_BEST) path = have_avx512() ? PATH_AVX512 : have_avx2() ? PATH_AVX2 : PATH_PORTABLE;
-    if ((path == PATH_AVX512 && !have_avx512()) || (path == PATH_AMX && !have_amx()) || (path == PATH_AVX2 && !have_avx2()) ||
-        path == PATH_PORTABLE)
-        return -1;
+    if (path == PATH_BEST) path = best_path();
+    if (!path_runs(path) || path == PATH_PORTABLE) return -1;
     int64_t ops = 0;
 #if defined(QG_X86)
 #pragma omp parallel reduction(+ : ops)

@@ -44,6 +44,14 @@ struct alignas(64) TileConfig {
     uint8_t rows[16];
 };
 
+// Palette 1 with every tile 64 bytes a row: B (tmm4-7) 16 rows, C and A (tmm0-3) `rows`.
+QG_AMX inline void configure_tiles(int rows) {
+    TileConfig cfg{};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = uint8_t(t < 4 ? rows : 16), cfg.colsb[t] = 64;
+    asm volatile("ldtilecfg %0" ::"m"(cfg) : "memory");
+}
+
 // The tile instructions, each an asm statement: GCC's intrinsics (12) tell the compiler neither
 // that tileloadd reads the buffer the weights were just stored to, nor that tilestored writes the
 // one read next, nor all 64 bytes that ldtilecfg reads; a memory clobber on each does.
@@ -148,6 +156,14 @@ struct AmxRows {
     QG_AMX void run(int64_t m) const { k_tile_rows<R>(c, n, m, ep, sums); }
 };
 
+// Rows m0 .. m0 + mt - 1 of outputs n .. n + cols - 1 on the AVX-512 tiles, handed out as the
+// driver hands them on that path (kTileRows at a time).
+template <int T>
+QG_AMX void rows_on_avx512(const Ctx& c, int64_t n, int cols, int64_t m0, int mt) {
+    for (int64_t m = m0; m < m0 + mt; m += kTileRows)
+        rows_avx512<T>(c, n, cols, m, int(std::min<int64_t>(kTileRows, m0 + mt - m)));
+}
+
 // Rows past the last full A tile go to the AVX-512 tiles when there are fewer than this: an A tile
 // costs its products and its epilogue at any height. One thread, K = 1536, weights in L1/L2 on
 // the Xeon (Emerald Rapids), ns per 16 rows x 16 outputs x 256 values, all rows on the tiles
@@ -161,8 +177,7 @@ template <int T>
 QG_AMX void groupk_amx(const Ctx& c, int64_t n, int64_t m0, int mt) {
     using L = PackedK<T>;
     if (const int tail = mt % kAmxTileRows; tail < kAmxTailRows) {
-        for (int64_t m = m0 + mt - tail; m < m0 + mt; m += kTileRows)
-            rows_avx512<T>(c, n, 2 * kGroup, m, int(std::min<int64_t>(kTileRows, m0 + mt - m)));
+        rows_on_avx512<T>(c, n, 2 * kGroup, m0 + mt - tail, tail);
         if ((mt -= tail) == 0) return;
     }
     // B tiles, then the tiles' sums, then the epilogue's operands
@@ -179,18 +194,14 @@ QG_AMX void groupk_amx(const Ctx& c, int64_t n, int64_t m0, int mt) {
         ep[b].dmin = halves_of<2>(gb, 16);
         ep[b].d = halves_of<2>(gb, 0);
     }
+    int configured = 0;  // the A and C tiles' rows ldtilecfg last set: once a call, again for a short last tile
     for (int64_t m = m0; m < m0 + mt; m += kAmxTileRows) {
         const int rows = int(std::min<int64_t>(kAmxTileRows, m0 + mt - m));
-        TileConfig cfg{};
-        cfg.palette = 1;
-        for (int t = 0; t < 2; t++) cfg.rows[t] = uint8_t(rows), cfg.colsb[t] = 64;  // C
-        for (int t = 2; t < 4; t++) cfg.rows[t] = uint8_t(rows), cfg.colsb[t] = 64;  // A
-        for (int t = 4; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;             // B
-        asm volatile("ldtilecfg %0" ::"m"(cfg) : "memory");
+        if (rows != configured) configure_tiles(configured = rows);
         k_tile_sums(c.q + m * c.K, c.K, c.nb, wts, sums);
-        asm volatile("tilerelease" ::: "memory");
         tile_of_rows<kAmxTileRows>(AmxRows{c, n, ep, sums}, m, rows);
     }
+    asm volatile("tilerelease" ::: "memory");
 }
 
 // The fewest rows of a linear that go to the tile unit (fewer run the AVX-512 tiles): at 2-8 rows
@@ -206,20 +217,16 @@ QG_AMX void rows_amx(const Ctx& c, int64_t n, int cols, int64_t m0, int mt) {
     if constexpr (amx_has(T)) {
         if (cols == 2 * kGroup && n + 2 * kGroup <= c.grouped && c.M >= kAmxMinRows) return groupk_amx<T>(c, n, m0, mt);
     }
-    for (int64_t m = m0; m < m0 + mt; m += kTileRows)
-        rows_avx512<T>(c, n, cols, m, int(std::min<int64_t>(kTileRows, m0 + mt - m)));
+    rows_on_avx512<T>(c, n, cols, m0, mt);
 }
 
 // The tile unit's 8-bit dot peak, dot_peak_avx512's counterpart: four independent C tiles, each
 // TDPBSUD 16 x 16 outputs of 64 products from A and B tiles held in registers. Returns the
 // integer operations done (2 a product).
 QG_AMX __attribute__((noinline)) int64_t dot_peak_amx(int64_t reps) {
-    TileConfig cfg{};
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
     alignas(64) uint8_t ones[1024];
     std::memset(ones, 1, sizeof ones);
-    asm volatile("ldtilecfg %0" ::"m"(cfg) : "memory");
+    configure_tiles(16);
     QG_TILE_LOADD(4, ones, 64);
     QG_TILE_LOADD(5, ones, 64);
     QG_TILE_LOADD(6, ones, 64);
