@@ -34,9 +34,9 @@ TYPES = list(quant.QUANT_TYPES)
 K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
 FLOATS = (T.F32, T.F16, T.BF16)  # one value a block, fp32 activations
 WITH_MIN = {T.Q4_1: 2, T.Q5_1: 2, T.Q4_K: 2, T.Q5_K: 2}  # byte offset of the fp16 min (dmin) in a block
-# 5, 6: rows in one tile (AVX2; Q5_K, Q6_K on 512-bit vectors); 14: 8 + 6, not streamed; 17: 8 + 8 + 1
-# (AMX: an A tile of 16, the last row on the AVX-512 tiles); 25: AMX's A tiles of 16 and 9
-MS = (1, 2, 3, 5, 6, 8, 14, 17, 25, 64)
+# 5, 6: rows in one tile (AVX2; Q5_K, Q6_K on 512-bit vectors); 14: 8 + 6, not streamed; 17: 8 + 8 + 1;
+# AMX (from 32 rows): 33, A tiles of 16 and 16, the last row on the AVX-512 tiles; 41, A tiles of 16, 16, 9
+MS = (1, 2, 3, 5, 6, 8, 14, 17, 33, 41, 64)
 REPACKABLE = [t for t in TYPES if quant.RECORDS[t].interleave > 1]
 CASES = [(t, False) for t in TYPES] + [(t, True) for t in REPACKABLE]  # (type, repacked)
 

@@ -13,11 +13,12 @@ kernels compute 8 outputs per vector. The mapped file stays the source; the repa
 replaces it in the model.
 
 Each output row depends only on its own input row: the same bits alone or in any batch, and
-the same bits on every path (`paths()`: "avx512" where the CPU has AVX-512 F/BW/VL and
-VNNI, "avx2" where it has AVX2+FMA+F16C, "portable" everywhere). The fastest path runs
-unless `set_path(name)` or NANOINFER_QUANT_PATH (read at import and by `set_path(None)`)
-names one. "amx" (Q4_K and Q5_K on the AMX tile unit from 16 rows, csrc/quant/x86_amx.h) runs
-only when named: not yet measured faster end to end.
+the same bits on every path (`paths()`: "amx" where the CPU has AMX-TILE and AMX-INT8 beside
+the AVX-512 path's features and Linux grants the tile registers, "avx512" where it has AVX-512
+F/BW/VL and VNNI, "avx2" where it has AVX2+FMA+F16C, "portable" everywhere). The fastest path
+runs unless `set_path(name)` or NANOINFER_QUANT_PATH (read at import and by `set_path(None)`)
+names one. "amx" hands Q4_K and Q5_K calls of 32 rows or more (prefill chunks, decode batches of
+32 and up) to the tile unit and runs everything else as "avx512" does (csrc/quant/x86_amx.h).
 
 Error against x @ dequantize(W).T (fp64): the activation rounding, at most half a step
 d_x / 2 per value (d_x = max|x| / 127 over the value's block), times |w|, summed, plus fp32
@@ -121,7 +122,7 @@ def supported(qtype: int) -> bool:
 
 def paths() -> list[str]:
     """The paths this CPU runs ([] without the compiled library), in _PATH_CODES' order: the
-    default (`default_path()`) is the last but "amx", which runs only when named."""
+    default (`default_path()`) is the last."""
     lib = cpu_kernels.library()
     if lib is None:
         return []
@@ -130,8 +131,8 @@ def paths() -> list[str]:
 
 
 def default_path() -> str | None:
-    """The path that runs unless one is named: the fastest of this CPU's but "amx" (None
-    without the compiled library)."""
+    """The path that runs unless one is named: the fastest of this CPU's (None without the
+    compiled library)."""
     lib = cpu_kernels.library()
     return None if lib is None else _path_name(lib.quant_default_path())
 
@@ -141,8 +142,8 @@ def _path_name(code: int) -> str | None:
 
 
 def set_path(name: str | None) -> None:
-    """Run later calls on one path ("portable", "avx2", "avx512"), or with None on the one that
-    NANOINFER_QUANT_PATH names (read at import and here), else the fastest."""
+    """Run later calls on one path ("portable", "avx2", "avx512", "amx"), or with None on the
+    one that NANOINFER_QUANT_PATH names (read at import and here), else the fastest."""
     global _path
     if name is not None and name not in _PATH_CODES:
         raise ValueError(f"unknown path {name!r}; known: {list(_PATH_CODES)}")

@@ -102,8 +102,11 @@ bool path_runs(int path) {
     }
 }
 
-// The path PATH_BEST names: the fastest this CPU runs but AMX, which runs only when named.
-int best_path() { return have_avx512() ? PATH_AVX512 : have_avx2() ? PATH_AVX2 : PATH_PORTABLE; }
+// The path PATH_BEST names: the fastest this CPU runs (AMX from kAmxMinRows rows, the AVX-512
+// tiles below them: quant/x86_amx.h).
+int best_path() {
+    return have_amx() ? PATH_AMX : have_avx512() ? PATH_AVX512 : have_avx2() ? PATH_AVX2 : PATH_PORTABLE;
+}
 
 // ---- activations ----------------------------------------------------------------------
 

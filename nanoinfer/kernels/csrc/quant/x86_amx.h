@@ -1,9 +1,10 @@
-// The AMX path (AMX-TILE and AMX-INT8 beside the AVX-512 path's features), chosen by name only
-// (NANOINFER_QUANT_PATH=amx): Q4_K and Q5_K weights in calls of 16 activation rows or more hand
-// their 8-bit products to the tile unit; everything else on this path is the AVX-512 path's
+// The AMX path (AMX-TILE and AMX-INT8 beside the AVX-512 path's features), the default where the
+// CPU has it: Q4_K and Q5_K weights in calls of kAmxMinRows activation rows or more hand their
+// 8-bit products to the tile unit; everything else on this path is the AVX-512 path's
 // (quant/x86_avx512.h, which this file builds on). Measured on a 2-vCPU Xeon (Emerald Rapids), the
 // 1.5B's Q4_K linears at 64-512 rows took 1.04-1.9x less time than on the AVX-512 tiles, never
-// more; end to end it is not yet the default (docs/benchmarks.md, the AMX section).
+// more; end to end, prefill 1.00-1.22x and batch-32 decode 1.16x (docs/benchmarks.md, the AMX
+// sections).
 //
 // A call takes two groups (16 outputs) and up to kAmxCallRows rows. The weights are unpacked once
 // for all of them into B tiles (k_scaled_weights), then each A tile of up to 16 rows (the int8
@@ -205,8 +206,12 @@ QG_AMX void groupk_amx(const Ctx& c, int64_t n, int64_t m0, int mt) {
 }
 
 // The fewest rows of a linear that go to the tile unit (fewer run the AVX-512 tiles): at 2-8 rows
-// the unpacking was not paid back (an earlier version 1.8-2.8x slower there).
-constexpr int kAmxMinRows = 16;
+// the unpacking was not paid back (an earlier version 1.8-2.8x slower there). One thread, weights
+// in L1/L2 on the Xeon, ns per 16 rows x 16 outputs x 256 values, AVX-512 tiles / AMX: K = 1536,
+// 16 rows 369-380 / 431-433, 24 rows 339-352 / 370-392, 32 rows 372-393 / 335-380, 48 rows
+// 343-379 / 284-297, 64 rows 350-363 / 262-270; K = 8960, 24 rows 395-406 / 342-432, 32 rows
+// 355-378 / 290-312.
+constexpr int kAmxMinRows = 32;
 
 // The types this path runs on the tile unit.
 constexpr bool amx_has(int t) { return t == Q4_K || t == Q5_K; }
