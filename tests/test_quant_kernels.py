@@ -232,8 +232,10 @@ def test_paths_agree_bit_for_bit(qtype):
     N, K = shape(qtype, 301)
     w = torch.from_numpy(make_weights(qtype, N, K, seed=4))
     layouts = [(w, False)] + ([(layout(w, qtype, K, True), True)] if qtype in REPACKABLE else [])
-    x = torch.randn(17, K, generator=torch.Generator().manual_seed(5))
-    for M in (1, 5, 6, 7, 17):  # the decode tiles (one x row against 4 or 8 weight rows), one-pass 5 to 8 rows, the batched ones
+    x = torch.randn(41, K, generator=torch.Generator().manual_seed(5))
+    # the decode tiles (one x row against 4 or 8 weight rows), one-pass 5 to 8 rows, the batched ones;
+    # 33 and 41: AMX's A tiles of 16 and 16 with a row on the AVX-512 tiles, and of 16, 16 and 9
+    for M in (1, 5, 6, 7, 17, 33, 41):
         outs = [y for _, _, y in on_every_path(x[:M].contiguous(), layouts, qtype)]
         for y in outs[1:]:
             assert torch.equal(bits(y), bits(outs[0])), f"M={M}"
@@ -272,6 +274,28 @@ def test_paths_agree_bit_for_bit_at_the_integer_extremes(qtype):
         for M in (1, 4, 6):  # the 1-row and the 4-row tiles, and 4 + 2
             for p, r, got in on_every_path(x[:M].contiguous(), layouts, qtype):
                 assert torch.equal(bits(got), bits(y[:M])), (p, M, r, fill)
+        xs, ys = x.repeat(6, 1)[:33].contiguous(), y.repeat(6, 1)[:33]  # 33 rows: AMX's tiles (Q4_K, Q5_K)
+        for p, r, got in on_every_path(xs, layouts, qtype):
+            assert torch.equal(bits(got), bits(ys)), (p, 33, r, fill)
+
+
+@pytest.mark.parametrize("qtype", (T.Q4_K, T.Q5_K), ids=lambda t: T(t).name)
+def test_amx_calls_of_many_rows(qtype):
+    """More rows than one AMX call takes (the driver hands a group kAmxCallRows, 512, at a time):
+    the same bits as the AVX-512 tiles, the rows of the second call included."""
+    if "amx" not in quant.paths():
+        pytest.skip("no AMX on this CPU")
+    N, K = shape(qtype, 40)
+    w = layout(torch.from_numpy(make_weights(qtype, N, K, seed=6)), qtype, K, True)
+    x = torch.randn(530, K, generator=torch.Generator().manual_seed(7))
+    outs = {}
+    try:
+        for p in ("avx512", "amx"):
+            quant.set_path(p)
+            outs[p] = quant.linear(x, w, qtype, repacked=True)
+    finally:
+        quant.set_path(None)
+    assert torch.equal(bits(outs["amx"]), bits(outs["avx512"]))
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
