@@ -3,7 +3,7 @@
 // 8-bit products to the tile unit; everything else on this path is the AVX-512 path's
 // (quant/x86_avx512.h, which this file builds on). Measured on a 2-vCPU Xeon (Emerald Rapids), the
 // 1.5B's Q4_K linears at 64-512 rows took 1.04-1.9x less time than on the AVX-512 tiles, never
-// more; end to end, prefill 1.00-1.22x and batch-32 decode 1.16x (docs/benchmarks.md, the AMX
+// more; end to end, prefill 1.02-1.38x and batch-32 decode 1.16x (docs/benchmarks.md, the AMX
 // sections).
 //
 // A call takes two groups (16 outputs) and up to kAmxCallRows rows. The weights are unpacked once
