@@ -179,6 +179,37 @@ def test_probe_runs_and_is_cached(tmp_path, monkeypatch):
     assert both.source == "override" and len(calls) == 6
 
 
+def test_bandwidth_probe_outgrows_the_last_level_cache(tmp_path, monkeypatch):
+    """The CPU probe sums a tensor four times the largest cache sysfs reports (256 MiB at least, 4
+    GiB at most), and a cached figure from another probe size is measured again."""
+    for name, size in (("index0", "48K"), ("index1", "32K"), ("index2", "2048K"), ("index3", "307200K"),
+                       ("index4", "junk")):
+        (tmp_path / "cache" / name).mkdir(parents=True)
+        (tmp_path / "cache" / name / "size").write_text(size + "\n")
+    llc = peaks_mod.last_level_cache_bytes(tmp_path / "cache")
+    assert llc == 300 << 20
+    assert peaks_mod.last_level_cache_bytes(tmp_path / "none") == 0
+    assert peaks_mod.cpu_probe_bytes(0) == peaks_mod.cpu_probe_bytes(32 << 20) == 256 << 20
+    assert peaks_mod.cpu_probe_bytes(llc) == 1200 << 20
+    assert peaks_mod.cpu_probe_bytes(2 << 30) == 4 << 30
+
+    monkeypatch.setenv("NANOINFER_CACHE_DIR", str(tmp_path / "peaks"))
+    cpu = torch.device("cpu")
+    calls = []
+    monkeypatch.setattr(peaks_mod, "measure_bandwidth", lambda d: calls.append("bw") or 2e10)
+    monkeypatch.setattr(peaks_mod, "measure_flops", lambda d, dt: calls.append("flops") or 3e11)
+    path = tmp_path / "peaks" / "peaks.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({peaks_mod.cache_key(cpu, torch.float32): {"flops": 1e11, "bandwidth": 5e10}}))
+    fresh = peaks_mod.resolve_peaks(cpu, torch.float32)  # an entry from before probe sizes were kept
+    assert (fresh.bandwidth, fresh.source, calls) == (2e10, "measured", ["bw", "flops"])
+    entry = json.loads(path.read_text())[peaks_mod.cache_key(cpu, torch.float32)]
+    assert entry["probe_bytes"] == peaks_mod.probe_bytes(cpu)
+    assert peaks_mod.resolve_peaks(cpu, torch.float32).source == "cached"
+    monkeypatch.setattr(peaks_mod, "probe_bytes", lambda d: entry["probe_bytes"] * 2)  # another machine's caches
+    assert peaks_mod.resolve_peaks(cpu, torch.float32).source == "measured" and len(calls) == 4
+
+
 def test_block_models_peak_is_the_8_bit_dot(tmp_path, monkeypatch):
     """A model on GGUF blocks is measured against the 8-bit dot probe, cached apart from the
     matmul peak; where this CPU's path has no probe, the matmul's peak stands in."""
