@@ -102,10 +102,12 @@ bool path_runs(int path) {
     }
 }
 
-// The path PATH_BEST names: the fastest this CPU runs (AMX from kAmxMinRows rows, the AVX-512
-// tiles below them: quant/x86_amx.h).
+// The path PATH_BEST names: the highest this CPU runs, each building on those below it (AMX hands
+// the tile unit only the calls it was measured faster on, kAmxMinRows in quant/x86_amx.h).
 int best_path() {
-    return have_amx() ? PATH_AMX : have_avx512() ? PATH_AVX512 : have_avx2() ? PATH_AVX2 : PATH_PORTABLE;
+    int path = PATH_AMX;
+    while (path > PATH_PORTABLE && !path_runs(path)) path--;
+    return path;
 }
 
 // ---- activations ----------------------------------------------------------------------
