@@ -176,7 +176,7 @@ def long_reply_model(make_hf_model, tmp_path_factory) -> Path:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    if any(item.name == "test_avx512_path_through_simde" for item in items):
+    if any(item.name == "test_simd_paths_through_emulation" for item in items):
         emulated_build.start()  # a minute of compiling, beside the tests that run first
 
 
@@ -210,7 +210,7 @@ def hf_default(default_gguf):
     return tok, model
 
 
-@pytest.fixture(params=["portable", "avx2", "avx512", "amx"])
+@pytest.fixture(params=["portable", "avx2", "avxvnni", "avx512", "amx"])
 def quant_path(request):
     """The block-format kernels forced onto one dispatch path (skipped where the CPU lacks it)."""
     from nanoinfer.kernels import quant

@@ -1,8 +1,8 @@
-"""The AVX-512 kernels built against SIMDe's portable intrinsics (test_quant_kernels.py's
-test_avx512_path_through_simde), started in the background as soon as the session knows it
-will run that test: the build is a minute of one compiler process, which the suite's mostly
-single-threaded tests leave a core for. The test waits for it, then finds it in the kernel
-cache (keyed by the flags)."""
+"""The AVX-512 kernels built against SIMDe's portable intrinsics, and the AVX-VNNI ones with AVX2
+code for vpdpbusd (test_quant_kernels.py's test_simd_paths_through_emulation), started in the
+background as soon as the session knows it will run that test: the build is a minute of one
+compiler process, which the suite's mostly single-threaded tests leave a core for. The test
+waits for it, then finds it in the kernel cache (keyed by the flags)."""
 from __future__ import annotations
 
 import os
@@ -21,12 +21,12 @@ def env() -> dict[str, str]:
 
 
 def native() -> bool:
-    """The CPU runs the AVX-512 path itself (F, BW, VL, VNNI): nothing to emulate."""
+    """The CPU runs the AVX-512 (F, BW, VL, VNNI) and AVX-VNNI paths itself: nothing to emulate."""
     try:
         flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
         return False
-    return {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni"} <= flags
 
 
 def start() -> None:

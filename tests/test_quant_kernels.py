@@ -440,21 +440,23 @@ def test_parameters_and_default_dtype():
 
 
 
-def test_avx512_path_through_simde():
-    """On a CPU without AVX-512 the AVX-512 path still runs, built against SIMDe's portable
-    intrinsics (-DQG_EMULATE_AVX512): the kernel tests above, the decoder stack and batch
-    invariance, all on it, in a fresh process. Its logic is checked wherever the suite runs;
-    a CPU with AVX-512 and VNNI runs the same tests natively."""
+def test_simd_paths_through_emulation():
+    """On a CPU without AVX-512 or AVX-VNNI those paths still run, in a build where SIMDe's
+    portable intrinsics stand in for AVX-512 and AVX2 code for AVX-VNNI's vpdpbusd
+    (-DQG_EMULATE_AVX512): the kernel tests above, the decoder stack and batch invariance, all on
+    them, in a fresh process. Their logic is checked wherever the suite runs; a CPU with both
+    (a recent Xeon) runs the same tests natively."""
     import subprocess
     import sys
 
-    if "avx512" in quant.paths():
-        pytest.skip("this CPU runs the AVX-512 path natively: the tests above cover it")
+    if {"avx512", "avxvnni"} <= set(quant.paths()):
+        pytest.skip("this CPU runs the AVX-512 and AVX-VNNI paths natively: the tests above cover them")
     if not emulated_build.SIMDE_AVX512.exists():
         pytest.skip("SIMDe's headers are missing (Debian: libsimde-dev; `make test` installs them as root)")
     emulated_build.wait()  # (started when the session was collected: conftest.py)
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "(avx512 or paths_agree) and not simde",
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
+         "(avx512 or avxvnni or paths_agree) and not emulation",
          "tests/test_quant_kernels.py", "tests/test_decoder_stack.py", "tests/test_quant_path.py"],
         cwd=emulated_build.ROOT, env=emulated_build.env(), capture_output=True, text=True, timeout=900)
     tail = proc.stdout[-3000:]

@@ -196,7 +196,7 @@ def _add_commands(sub) -> None:
     lin.add_argument("--model", default=None, help="a GGUF file (default: the default model)")
     lin.add_argument("--rows", default="1,4,8", help="activation rows per call, comma-separated (default 1,4,8)")
     lin.add_argument("--runs", type=int, default=5, help="alternating runs; the median is shown (default 5)")
-    lin.add_argument("--path", default="auto", choices=["auto", "portable", "avx2", "avx512", "amx"],
+    lin.add_argument("--path", default="auto", choices=["auto", "portable", "avx2", "avxvnni", "avx512", "amx"],
                      help="the kernels' dispatch path (default auto: the fastest this CPU runs)")
     lin.add_argument("--threads", type=int, default=None, help="kernel threads (default: the physical cores)")
     lin.add_argument("--seed", type=int, default=0, help="seed of the activations (default 0)")

@@ -15,7 +15,8 @@ replaces it in the model.
 Each output row depends only on its own input row: the same bits alone or in any batch, and
 the same bits on every path (`paths()`: "amx" where the CPU has AMX-TILE and AMX-INT8 beside
 the AVX-512 path's features and Linux grants the tile registers, "avx512" where it has AVX-512
-F/BW/VL and VNNI, "avx2" where it has AVX2+FMA+F16C, "portable" everywhere). The fastest path
+F/BW/VL and VNNI, "avxvnni" where it has AVX2+FMA+F16C and AVX-VNNI (the AVX2 block kernels with
+VEX vpdpbusd), "avx2" where it has AVX2+FMA+F16C, "portable" everywhere). The fastest path
 runs unless `set_path(name)` or NANOINFER_QUANT_PATH (read at import and by `set_path(None)`)
 names one. "amx" hands Q4_K and Q5_K calls of 32 rows or more (prefill chunks, decode batches of
 32 and up) to the tile unit and runs everything else as "avx512" does (csrc/quant/x86_amx.h).
@@ -78,7 +79,8 @@ def read_records(path: Path = TYPES_DEF) -> dict[int, QuantType]:
 
 RECORDS = read_records()  # GGML id -> its record: the types with kernels
 QUANT_TYPES: tuple[GGMLQuantizationType, ...] = tuple(t for t in T if t in RECORDS)  # the same, as gguf's enum
-_PATH_CODES = {"portable": 1, "avx2": 2, "avx512": 3, "amx": 4}  # PATH_* in csrc/quant_gemm.cpp; 0 = the fastest available
+# PATH_* in csrc/quant_gemm.cpp; 0 = the fastest available
+_PATH_CODES = {"portable": 1, "avx2": 2, "avxvnni": 3, "avx512": 4, "amx": 5}
 _ERRORS = {-1: "no kernel for this type", -2: "path not available on this CPU", -3: "K is not a multiple of the block",
            -4: "a row index is out of range", -5: "the type has no repacked layout"}
 
@@ -142,7 +144,7 @@ def _path_name(code: int) -> str | None:
 
 
 def set_path(name: str | None) -> None:
-    """Run later calls on one path ("portable", "avx2", "avx512", "amx"), or with None on the
+    """Run later calls on one path ("portable", "avx2", "avxvnni", "avx512", "amx"), or with None on the
     one that NANOINFER_QUANT_PATH names (read at import and here), else the fastest."""
     global _path
     if name is not None and name not in _PATH_CODES:

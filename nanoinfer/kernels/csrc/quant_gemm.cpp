@@ -35,9 +35,10 @@
 // each function it inlines into; the sums that matter are fused multiply-adds (which it
 // cannot reassociate) and horizontal sums whose partial results pass through `opaque`.
 //
-// Three paths, chosen at run time: AVX-512 (F, BW, VL and VNNI: the 32-value types; the others
-// run their AVX2 code there), AVX2 (+FMA, F16C) and portable C++; the SIMD ones are functions
-// compiled with a target attribute, so the file builds anywhere. A type a path has no kernel
+// The paths, chosen at run time: AMX (the AVX-512 path, with Q4_K and Q5_K calls of many rows on
+// the tile unit), AVX-512 (F, BW, VL and VNNI: the block types; the others run their AVX2 code
+// there), AVX-VNNI (AVX2's block kernels with VEX vpdpbusd), AVX2 (+FMA, F16C) and portable C++;
+// the SIMD ones are functions compiled with a target attribute, so the file builds anywhere. A type a path has no kernel
 // for runs its portable dot there. They compute the same integers and the same float
 // operations in the same order, so they agree bit for bit (up to the sign of a zero), in either
 // layout: per output of a 32-value type, one chain of fused multiply-adds over the blocks,
@@ -77,14 +78,17 @@
 
 namespace {
 
-// Each path builds on the ones below it: it runs their kernels for the types it has none of.
-enum : int { PATH_BEST = 0, PATH_PORTABLE = 1, PATH_AVX2 = 2, PATH_AVX512 = 3, PATH_AMX = 4 };
+// Each path builds on the ones below it: it runs their kernels for the types it has none of,
+// except AVX-VNNI, a branch of AVX2 that AVX-512 does not build on (Zen 4 has AVX-512 VNNI and
+// not the VEX form): AVX-512 runs AVX2's kernels, never AVX-VNNI's.
+enum : int { PATH_BEST = 0, PATH_PORTABLE = 1, PATH_AVX2 = 2, PATH_AVXVNNI = 3, PATH_AVX512 = 4, PATH_AMX = 5 };
 
 constexpr int64_t NCHUNK = 16;   // weight rows per unit of work (a thread's share is whole chunks)
 constexpr int MT = kTileRows;    // activation rows per tile: one weight block decoded serves them all
 
 #if !defined(QG_X86)
 bool have_avx2() { return false; }
+bool have_avxvnni() { return false; }
 bool have_avx512() { return false; }
 bool have_amx() { return false; }
 constexpr bool amx_has(int) { return false; }
@@ -96,14 +100,15 @@ bool path_runs(int path) {
     switch (path) {
         case PATH_PORTABLE: return true;
         case PATH_AVX2: return have_avx2();
+        case PATH_AVXVNNI: return have_avxvnni();
         case PATH_AVX512: return have_avx512();
         case PATH_AMX: return have_amx();
         default: return false;
     }
 }
 
-// The path PATH_BEST names: the highest this CPU runs, each building on those below it (AMX hands
-// the tile unit only the calls it was measured faster on, kAmxMinRows in quant/x86_amx.h).
+// The path PATH_BEST names: the highest this CPU runs, in the enum's order (AMX hands the tile
+// unit only the calls it was measured faster on, kAmxMinRows in quant/x86_amx.h).
 int best_path() {
     int path = PATH_AMX;
     while (path > PATH_PORTABLE && !path_runs(path)) path--;
@@ -162,10 +167,14 @@ void quantize_row(const float* x, int64_t K, int64_t B, int8_t* q, float* d, flo
 template <int T, auto Dot>
 RowsFn kernel_for(int path) {
 #if defined(QG_X86)
+#if defined(QG_AMX_BUILD)  // (not in the tests' build without the CPU's AVX-512: no tile unit there)
     if constexpr (amx_has(T))
         if (path == PATH_AMX) return rows_amx<T>;
+#endif
     if constexpr (avx512_has(T))
         if (path >= PATH_AVX512) return rows_avx512<T>;
+    if constexpr (avxvnni_has(T))
+        if (path == PATH_AVXVNNI) return rows_avx2<T, true>;
     if constexpr (avx2_has(T))
         if (path >= PATH_AVX2) return rows_avx2<T>;
 #endif
@@ -365,7 +374,7 @@ __attribute__((noinline)) int quant_linear_grouped_team(int qtype, int path, con
 
 }  // namespace nanoinfer
 
-// Bit p set when path p (PATH_PORTABLE, PATH_AVX2, PATH_AVX512, PATH_AMX) runs on this CPU.
+// Bit p set when path p (PATH_PORTABLE ... PATH_AMX) runs on this CPU.
 extern "C" int quant_paths() {
     int mask = 0;
     for (int p = PATH_PORTABLE; p <= PATH_AMX; p++) mask |= path_runs(p) ? 1 << p : 0;
@@ -425,7 +434,10 @@ extern "C" int64_t quant_dot_peak(int path, int64_t reps) {
     int64_t ops = 0;
 #if defined(QG_X86)
 #pragma omp parallel reduction(+ : ops)
-    ops += path == PATH_AMX ? dot_peak_amx(reps) : path == PATH_AVX512 ? dot_peak_avx512(reps) : dot_peak_avx2(reps);
+    ops += path == PATH_AMX       ? dot_peak_amx(reps)
+           : path == PATH_AVX512  ? dot_peak_avx512(reps)
+           : path == PATH_AVXVNNI ? dot_peak_avxvnni(reps)
+                                  : dot_peak_avx2(reps);
 #endif
     return ops > 0 ? ops : -1;
 }

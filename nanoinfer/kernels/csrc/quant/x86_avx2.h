@@ -2,6 +2,13 @@
 // portable dot's integers and float operations in the same order (quant/portable.h), so the
 // bits agree. Functions carry a target attribute, so the file builds for any x86 CPU; the
 // driver (quant_gemm.cpp) runs this path only where have_avx2() says the CPU has it.
+//
+// The AVX-VNNI path is this file's block kernels with V = true: where the CPU has AVX-VNNI (the
+// VEX vpdpbusd on 256-bit vectors: Intel's cores since Alder Lake, which have no AVX-512), each
+// lane sums its four u8 x s8 products straight into int32 (dot4_vnni) instead of vpmaddubsw's
+// int16 pairs and a vpaddw. The integers are the same and so are the float steps, so the bits
+// agree with every other path. AVX-512 does not build on it: Zen 4 has AVX-512 VNNI and not the
+// VEX form.
 #pragma once
 #include <cpuid.h>
 #include <immintrin.h>
@@ -52,6 +59,27 @@ QG_AVX2 inline __m256i bcast4(const int8_t* p) { return _mm256_castps_si256(_mm2
 // off the integer dot; log2 of the offset, -1 for none.
 template <int T>
 constexpr int kOffsetShift = T == Q4_0 ? 3 : T == Q5_0 ? 4 : -1;
+// log2 of the offset a vpdpbusd kernel takes off: kOffsetShift, and Q8_0's 128 (its signed
+// weights made unsigned by flipping the top bit)
+template <int T>
+constexpr int kVnniShift = T == Q8_0 ? 7 : kOffsetShift<T>;
+
+// acc + the 4 products u8 x s8 of each 32-bit lane (dpbusd_vnni; dot4_vnni: the 4 activation
+// values at x in every lane): AVX-VNNI's vpdpbusd, VEX-encoded in an asm statement so that the
+// function keeps this file's target. The tests' build without the CPU's AVX-512
+// (QG_EMULATE_AVX512) computes the same integer exactly with AVX2 instead: the even and odd bytes
+// widened to int16, two vpmaddwd.
+QG_AVX2 inline __m256i dpbusd_vnni(__m256i acc, __m256i w, __m256i x) {
+#if defined(QG_EMULATE_AVX512)
+    const __m256i w_even = _mm256_and_si256(w, _mm256_set1_epi16(0xff)), w_odd = _mm256_srli_epi16(w, 8);
+    const __m256i x_even = _mm256_srai_epi16(_mm256_slli_epi16(x, 8), 8), x_odd = _mm256_srai_epi16(x, 8);
+    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(w_even, x_even), _mm256_madd_epi16(w_odd, x_odd)));
+#else
+    asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(w), "x"(x));
+    return acc;
+#endif
+}
+QG_AVX2 inline __m256i dot4_vnni(__m256i acc, __m256i w, const int8_t* x) { return dpbusd_vnni(acc, w, bcast4(x)); }
 
 // The activation rows of a group tile (row i is m0 + i): values, scales, and (Q4_1, Q5_1) d * sum
 // or (offset weights) the integer sums; and the tile's accumulators, zeroed.
@@ -121,8 +149,10 @@ QG_AVX2 inline void group_add_block(const uint8_t* gb, GroupRows<T, R>& r, int64
 // 127 per partial sum), one vpmaddwd makes them the lane's int32 dot, and one fused
 // multiply-add per row adds the block for 8 outputs: dot32's arithmetic, lane by lane. Q8_0
 // is signed: vpsignb moves its signs onto x (|w| <= 128, so a pair stays in int16) and each
-// vector's pairs are summed in int32.
-template <int T, int R, bool PF>
+// vector's pairs are summed in int32. With V (AVX-VNNI), a row's products go straight into one
+// int32 chain (dot4_vnni), Q8_0's weights made unsigned by an offset of 128 that is taken off
+// with the others (kVnniShift): the same integers.
+template <int T, int R, bool PF, bool V>
 QG_AVX2 void group32_avx2(const Ctx& c, int64_t n, int64_t m0) {
     using L = Packed32<T>;
     const uint8_t* g = c.w + n * c.rb;
@@ -132,6 +162,28 @@ QG_AVX2 void group32_avx2(const Ctx& c, int64_t n, int64_t m0) {
         const uint8_t* gb = g + b * L::group_bytes;
         if constexpr (PF) prefetch_group<T>(c, gb, L::group_bytes);
         __m256i p[R];
+        if constexpr (V) {
+            for (int i = 0; i < R; i++) p[i] = _mm256_setzero_si256();
+            if constexpr (T == Q8_0) {
+                for (int v = 0; v < 8; v++) {
+                    const __m256i u = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + L::qs + 32 * v)),
+                                                       _mm256_set1_epi8(char(0x80)));
+                    for (int i = 0; i < R; i++) p[i] = dot4_vnni(p[i], u, r.xq[i] + b * 32 + 4 * v);
+                }
+            } else {
+                for (int v = 0; v < 4; v++) {
+                    __m256i lo, hi;
+                    group_nibbles<T>(gb, v, lo, hi);
+                    for (int i = 0; i < R; i++) {
+                        const int8_t* x = r.xq[i] + b * 32;
+                        p[i] = dot4_vnni(p[i], lo, x + 4 * v);
+                        p[i] = dot4_vnni(p[i], hi, x + 16 + 4 * v);
+                    }
+                }
+            }
+            group_add_block<T, R, kVnniShift<T>>(gb, r, b, p);
+            continue;
+        }
         if constexpr (T == Q8_0) {
             for (int i = 0; i < R; i++) p[i] = _mm256_setzero_si256();
             for (int v = 0; v < 8; v++) {
@@ -309,6 +361,14 @@ QG_AVX2 inline void add_scaled(__m256i* isum, const __m256i* s, __m256i s16) {
         asm("" : "+x"(isum[i]));
     }
 }
+// The same for int32 sums (the AVX-VNNI tiles' chains): times the scale (int32 lanes) by vpmulld.
+template <int R>
+QG_AVX2 inline void add_scaled32(__m256i* isum, const __m256i* p, __m256i s32) {
+    for (int i = 0; i < R; i++) {
+        isum[i] = _mm256_add_epi32(isum[i], _mm256_mullo_epi32(p[i], s32));
+        asm("" : "+x"(isum[i]));
+    }
+}
 
 // K-quants in the repacked layout: outputs y[m0 .. m0 + R - 1, n .. n + 7] as dotk computes
 // them, lane j of each vector output n + j. Per sub-block, 4 activation values broadcast to
@@ -318,7 +378,7 @@ QG_AVX2 inline void add_scaled(__m256i* isum, const __m256i* s, __m256i s16) {
 // activations' sums. Q6_K sums a group's 4 vectors in int16 from the lane's offset on (po:
 // -32 times the sum of its 8 activation values): at every step the sum is (w - 32) x over
 // the values added and -32 x over the rest, 8 terms within +-32 * 127, so it stays exact.
-template <int T, int R, bool PF>
+template <int T, int R, bool PF, bool V>
 QG_AVX2 void groupk_avx2(const Ctx& c, int64_t n, int64_t m0) {
     using L = PackedK<T>;
     const uint8_t* g = c.w + n * c.rb;
@@ -331,7 +391,47 @@ QG_AVX2 void groupk_avx2(const Ctx& c, int64_t n, int64_t m0) {
         __m256i isum[R];
         for (int i = 0; i < R; i++) isum[i] = _mm256_setzero_si256();
         __m256 dv;
-        if constexpr (T == Q6_K) {
+        if constexpr (T == Q6_K && V) {  // each chain from its group's -32 x sum(x) on (Ctx::qo)
+            const Q6Scales sc(gb);
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++)
+#pragma GCC unroll 4
+                for (int t = 0; t < 4; t++) {  // values 128h + 32t + (0..31): groups g (v < 4) and g + 1
+                    const int group = 8 * h + 2 * t;
+                    if constexpr (R <= 2) {  // two chains a row
+                        __m256i p0[R], p1[R];
+                        for (int i = 0; i < R; i++) {
+                            p0[i] = _mm256_set1_epi32(x.xqo[i][kSums16 * b + group]);
+                            p1[i] = _mm256_set1_epi32(x.xqo[i][kSums16 * b + group + 1]);
+                        }
+#pragma GCC unroll 4
+                        for (int v = 0; v < 4; v++) {
+                            const __m256i w0 = q6_weights(gb, h, t, v), w1 = q6_weights(gb, h, t, v + 4);
+                            for (int i = 0; i < R; i++) {
+                                const int8_t* xv = x.xq[i] + b * QK + 128 * h + 32 * t + 4 * v;
+                                p0[i] = dot4_vnni(p0[i], w0, xv);
+                                p1[i] = dot4_vnni(p1[i], w1, xv + 16);
+                            }
+                        }
+                        add_scaled32<R>(isum, p0, sc.scale32(group));
+                        add_scaled32<R>(isum, p1, sc.scale32(group + 1));
+                    } else {  // one a row, a group at a time
+#pragma GCC unroll 2
+                        for (int half = 0; half < 2; half++) {
+                            __m256i p[R];
+                            for (int i = 0; i < R; i++) p[i] = _mm256_set1_epi32(x.xqo[i][kSums16 * b + group + half]);
+#pragma GCC unroll 4
+                            for (int u = 0; u < 4; u++) {
+                                const int v = 4 * half + u;
+                                const __m256i w = q6_weights(gb, h, t, v);
+                                for (int i = 0; i < R; i++) p[i] = dot4_vnni(p[i], w, x.xq[i] + b * QK + 128 * h + 32 * t + 4 * v);
+                            }
+                            add_scaled32<R>(isum, p, sc.scale32(group + half));
+                        }
+                    }
+                }
+            dv = load8_half(gb + L::q6_d);
+        } else if constexpr (T == Q6_K) {
             const Q6Scales sc(gb);
             // (unrolled: the shifts take immediate counts)
 #pragma GCC unroll 2
@@ -364,6 +464,36 @@ QG_AVX2 void groupk_avx2(const Ctx& c, int64_t n, int64_t m0) {
                 for (int i = 0; i < R; i++)
                     acc[i] = _mm256_fnmadd_ps(_mm256_mul_ps(dmv, _mm256_broadcast_ss(x.xd[i] + b)), _mm256_cvtepi32_ps(ms[i]), acc[i]);
             }
+            if constexpr (V && R <= 2) {  // two chains a row: sub-blocks j (low nibbles) and j + 1 (high)
+#pragma GCC unroll 4
+                for (int j = 0; j < 8; j += 2) {
+                    __m256i p0[R], p1[R];
+                    for (int i = 0; i < R; i++) p0[i] = p1[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+                    for (int v = 0; v < 8; v++) {
+                        const __m256i w0 = k_weights<T>(gb, j, v), w1 = k_weights<T>(gb, j + 1, v);
+                        for (int i = 0; i < R; i++) {
+                            const int8_t* xv = x.xq[i] + b * QK + 32 * j + 4 * v;
+                            p0[i] = dot4_vnni(p0[i], w0, xv);
+                            p1[i] = dot4_vnni(p1[i], w1, xv + 32);
+                        }
+                    }
+                    add_scaled32<R>(isum, p0, ks.scale32(j));
+                    add_scaled32<R>(isum, p1, ks.scale32(j + 1));
+                }
+            } else if constexpr (V) {  // one chain a row (sub-block j), so that every row's sums fit the registers
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; j++) {
+                    __m256i p[R];
+                    for (int i = 0; i < R; i++) p[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+                    for (int v = 0; v < 8; v++) {
+                        const __m256i w = k_weights<T>(gb, j, v);
+                        for (int i = 0; i < R; i++) p[i] = dot4_vnni(p[i], w, x.xq[i] + b * QK + 32 * j + 4 * v);
+                    }
+                    add_scaled32<R>(isum, p, ks.scale32(j));
+                }
+            } else
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {  // (unrolled: qh_bit's shifts take immediate counts)
                 const __m256i s16 = ks.scale16(j);
@@ -438,10 +568,10 @@ QG_AVX2 void tile16_avx2(const Ctx& c, int64_t n, int64_t m0) {
     }
 }
 
-template <int T, int R, bool PF>
+template <int T, int R, bool PF, bool V>
 QG_AVX2 void tile_avx2(const Ctx& c, int64_t n, int64_t m0) {
-    if constexpr (interleave_of(T) == kGroup && block_values(T) == 32) group32_avx2<T, R, PF>(c, n, m0);
-    else if constexpr (interleave_of(T) == kGroup) groupk_avx2<T, R, PF>(c, n, m0);
+    if constexpr (interleave_of(T) == kGroup && block_values(T) == 32) group32_avx2<T, R, PF, V>(c, n, m0);
+    else if constexpr (interleave_of(T) == kGroup) groupk_avx2<T, R, PF, V>(c, n, m0);
     else tile16_avx2<T, R, PF>(c, n, m0);
 }
 
@@ -455,35 +585,42 @@ QG_AVX2 void tile_avx2(const Ctx& c, int64_t n, int64_t m0) {
 // row of 1536: 5 rows F32 224-230 against 242-255, F16 181-184 against 218-220, BF16 184-185
 // against 226-242; 6 rows F16 243-336 against 235-237. At 7 rows one tile gains nothing (Q4_K 118
 // against 4 + 3: 117).
-template <int T>
-constexpr int kTileRowsAvx2 = T == Q5_0 || T == Q5_1 ? 4 : T == F32 || T == F16 || T == BF16 ? 5 : 6;
+// The AVX-VNNI tiles (V): a row's sums are one int32 chain (two where R <= 2), so the 32-value
+// types take 6 rows as the 4-bit ones do on AVX2, and the K-quants 4 (a chain, the block's total
+// and the accumulator a row: 12 of the 16 registers).
+template <int T, bool V>
+constexpr int kTileRowsAvx2 = V && block_values(T) == 256 ? 4
+                              : T == Q5_0 || T == Q5_1 ? (V ? 6 : 4)
+                              : T == F32 || T == F16 || T == BF16 ? 5 : 6;
 
 // The tiles of rows m0 .. m0 + mt - 1 over outputs n ..: split_rows with tile_avx2.
-template <int T, bool PF>
+template <int T, bool PF, bool V>
 struct Avx2Tile {
     const Ctx& c;
     int64_t n;
     template <int R>
-    QG_AVX2 void run(int64_t m) const { tile_avx2<T, R, PF>(c, n, m); }
+    QG_AVX2 void run(int64_t m) const { tile_avx2<T, R, PF, V>(c, n, m); }
 };
-template <int T, bool PF>
+template <int T, bool PF, bool V>
 QG_AVX2 void tiles_avx2(const Ctx& c, int64_t n, int64_t m0, int mt) {
-    split_rows<kTileRowsAvx2<T>>(Avx2Tile<T, PF>{c, n}, m0, mt);
+    split_rows<kTileRowsAvx2<T, V>>(Avx2Tile<T, PF, V>{c, n}, m0, mt);
 }
 
 // Outputs y[m0 .. m0 + mt - 1, n .. n + cols - 1]. A repacked group takes all 8 of its rows
 // at once; rows of a repacked type left as stored (a weight's last N % 8) run the portable
 // dot. Decode sizes prefetch (a template flag: the branch alone slowed the prefill tiles by 25%).
-template <int T>
+// V: the AVX-VNNI path's block kernels (only for the types avxvnni_has lists).
+template <int T, bool V = false>
 QG_AVX2 void rows_avx2(const Ctx& c, int64_t n, int cols, int64_t m0, int mt) {
     if constexpr (interleave_of(T) == kGroup) {
         for (int64_t g = n; g < n + cols; g += kGroup) {
             if (g >= c.grouped) return rows_portable_grouped<T>(c, g, int(n + cols - g), m0, mt);
-            c.stream ? tiles_avx2<T, true>(c, g, m0, mt) : tiles_avx2<T, false>(c, g, m0, mt);
+            c.stream ? tiles_avx2<T, true, V>(c, g, m0, mt) : tiles_avx2<T, false, V>(c, g, m0, mt);
         }
         return;
     }
-    for (int j = 0; j < cols; j++) c.stream ? tiles_avx2<T, true>(c, n + j, m0, mt) : tiles_avx2<T, false>(c, n + j, m0, mt);
+    for (int j = 0; j < cols; j++)
+        c.stream ? tiles_avx2<T, true, V>(c, n + j, m0, mt) : tiles_avx2<T, false, V>(c, n + j, m0, mt);
 }
 
 // The 8-bit dot peak of one thread on this path (the roofline's denominator for block
@@ -507,10 +644,40 @@ QG_AVX2 __attribute__((noinline)) int64_t dot_peak_avx2(int64_t reps) {
     return reps * 8 * 32 * 2;
 }
 
+// dot_peak_avx2 with AVX-VNNI's vpdpbusd (dot4_vnni's instruction, 32 products each). Emulated
+// (QG_EMULATE_AVX512) it measures nothing of the machine: -1, no probe.
+QG_AVX2 __attribute__((noinline)) int64_t dot_peak_avxvnni(int64_t reps) {
+#if defined(QG_EMULATE_AVX512)
+    (void)reps;
+    return -1;
+#else
+    __m256i a = _mm256_set1_epi8(1), acc[8], b[8];
+    for (int j = 0; j < 8; j++) {
+        acc[j] = _mm256_setzero_si256();
+        b[j] = _mm256_set1_epi8(char(j + 1));
+    }
+    for (int64_t r = 0; r < reps; r++) {
+        asm("" : "+x"(a));
+        for (int j = 0; j < 8; j++) acc[j] = dpbusd_vnni(acc[j], a, b[j]);
+    }
+    __m256i s = acc[0];
+    for (int j = 1; j < 8; j++) s = _mm256_add_epi32(s, acc[j]);
+    volatile int32_t sink = _mm256_extract_epi32(s, 0);
+    (void)sink;
+    return reps * 8 * 32 * 2;
+#endif
+}
+
 // The types this path has kernels for; on this path any other type runs its portable dot.
 constexpr bool avx2_has(int t) {
     return t == F32 || t == F16 || t == BF16 || t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q5_1 || t == Q8_0 || t == Q4_K ||
            t == Q5_K || t == Q6_K;
+}
+
+// The types the AVX-VNNI path has its own kernels for (the block types with a repacked layout);
+// it runs the AVX2 kernels of the rest.
+constexpr bool avxvnni_has(int t) {
+    return t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q5_1 || t == Q8_0 || t == Q4_K || t == Q5_K || t == Q6_K;
 }
 
 // AVX2, FMA and F16C on the CPU, and the AVX state enabled by the OS (cpuid and xgetbv
@@ -528,6 +695,20 @@ bool have_avx2() {
         return (b & bit_AVX2) != 0;
     }();
     return ok;
+}
+
+// The AVX2 path's features and AVX-VNNI (cpuid leaf 7, subleaf 1, eax bit 4). In the tests' build
+// without the CPU's AVX-512 (QG_EMULATE_AVX512) dot4_vnni is AVX2 code, so any AVX2 CPU runs it.
+bool have_avxvnni() {
+#if defined(QG_EMULATE_AVX512)
+    return have_avx2();
+#else
+    static const bool ok = [] {
+        unsigned a, b, c, d;
+        return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 4));
+    }();
+    return ok && have_avx2();
+#endif
 }
 
 }  // namespace

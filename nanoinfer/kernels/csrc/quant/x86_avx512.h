@@ -24,10 +24,6 @@ namespace {
 #define QG_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #endif
 
-// log2 of the offset taken off: group32_avx2's, and Q8_0's 128
-template <int T>
-constexpr int kVnniShift = T == Q8_0 ? 7 : kOffsetShift<T>;
-
 // G repacked groups side by side, a 32-bit lane an output: 8 outputs on 256-bit vectors (G = 1),
 // 16 on 512-bit ones (G = 2: the group at row n in the low half, n + 8 in the high half), and
 // the few operations the kernels below need on either.
