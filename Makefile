@@ -27,8 +27,8 @@ browser:
 		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 		else echo "chromium missing and not root: the browser test will be skipped"; fi; }
 
-# SIMDe's headers (Debian's libsimde-dev): the tests build the AVX-512 kernels against them to run
-# that path on CPUs without AVX-512.
+# SIMDe's headers (Debian's libsimde-dev): the tests build the AVX-512 kernels against them (and the
+# AVX-VNNI ones with AVX2 code for vpdpbusd) to run those paths on CPUs without them.
 simde:
 	@test -f /usr/include/simde/x86/avx512.h || { \
 		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libsimde-dev >/dev/null; \
