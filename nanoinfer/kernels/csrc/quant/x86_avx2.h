@@ -378,6 +378,10 @@ QG_AVX2 inline void add_scaled32(__m256i* isum, const __m256i* p, __m256i s32) {
 // activations' sums. Q6_K sums a group's 4 vectors in int16 from the lane's offset on (po:
 // -32 times the sum of its 8 activation values): at every step the sum is (w - 32) x over
 // the values added and -32 x over the rest, 8 terms within +-32 * 127, so it stays exact.
+// With V (AVX-VNNI), as groupk_avx512 does: a row's products of a sub-block (Q6_K: of a group of
+// 16 values, from its -32 x sum(x), Ctx::qo, on) go into an int32 chain by dot4_vnni, two chains
+// at once where the tile has 1 or 2 rows (to hide the instruction's latency) and one where its
+// rows' sums must share the 16 registers, then vpmulld by the scale (add_scaled32).
 template <int T, int R, bool PF, bool V>
 QG_AVX2 void groupk_avx2(const Ctx& c, int64_t n, int64_t m0) {
     using L = PackedK<T>;
