@@ -38,15 +38,15 @@
 // The paths, chosen at run time: AMX (the AVX-512 path, with Q4_K and Q5_K calls of many rows on
 // the tile unit), AVX-512 (F, BW, VL and VNNI: the block types; the others run their AVX2 code
 // there), AVX-VNNI (AVX2's block kernels with VEX vpdpbusd), AVX2 (+FMA, F16C) and portable C++;
-// the SIMD ones are functions compiled with a target attribute, so the file builds anywhere. A type a path has no kernel
-// for runs its portable dot there. They compute the same integers and the same float
-// operations in the same order, so they agree bit for bit (up to the sign of a zero), in either
-// layout: per output of a 32-value type, one chain of fused multiply-adds over the blocks,
+// the SIMD ones are functions compiled with a target attribute, so the file builds anywhere. A type
+// a path has no kernel for runs its portable dot there. They compute the same integers and the same
+// float operations in the same order, so they agree bit for bit (up to the sign of a zero), in
+// either layout: per output of a 32-value type, one chain of fused multiply-adds over the blocks,
 // d_w * d_x times the block's exact integer dot (then, Q4_1 and Q5_1, m_w times s_x; a repacked
-// kernel keeps 8 outputs' chains in the lanes of one vector); per output of a K-quant, 8 lanes
-// (and 4 for the mins) each take one fused multiply-add per 256-block, summed in fixed trees at
-// the end (dotk); per output of F32/F16/BF16, 16 lanes (k mod 16) of fused multiply-adds over k,
-// then a fixed tree. Bias last.
+// kernel keeps 8 outputs' chains in the lanes of one vector); per output of a K-quant, 8 lanes (and
+// 4 for the mins) each take one fused multiply-add per 256-block, summed in fixed trees at the end
+// (dotk); per output of F32/F16/BF16, 16 lanes (k mod 16) of fused multiply-adds over k, then a
+// fixed tree. Bias last.
 //
 // Work split: rows of W in chunks of 16, handed to the threads by OpenMP's guided schedule
 // (contiguous runs of chunks, halving as they run out), only when the matrix is big enough to
