@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import emulated_build
+from nanoinfer.kernels.quant import PATH_NAMES
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -210,7 +211,7 @@ def hf_default(default_gguf):
     return tok, model
 
 
-@pytest.fixture(params=["portable", "avx2", "avxvnni", "avx512", "amx"])
+@pytest.fixture(params=PATH_NAMES)
 def quant_path(request):
     """The block-format kernels forced onto one dispatch path (skipped where the CPU lacks it)."""
     from nanoinfer.kernels import quant

@@ -81,6 +81,7 @@ RECORDS = read_records()  # GGML id -> its record: the types with kernels
 QUANT_TYPES: tuple[GGMLQuantizationType, ...] = tuple(t for t in T if t in RECORDS)  # the same, as gguf's enum
 # PATH_* in csrc/quant_gemm.cpp; 0 = the fastest available
 _PATH_CODES = {"portable": 1, "avx2": 2, "avxvnni": 3, "avx512": 4, "amx": 5}
+PATH_NAMES = tuple(_PATH_CODES)  # every dispatch path, slowest first
 _ERRORS = {-1: "no kernel for this type", -2: "path not available on this CPU", -3: "K is not a multiple of the block",
            -4: "a row index is out of range", -5: "the type has no repacked layout"}
 

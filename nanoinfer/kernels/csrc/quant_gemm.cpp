@@ -436,8 +436,8 @@ extern "C" int64_t quant_dot_peak(int path, int64_t reps) {
 #pragma omp parallel reduction(+ : ops)
     ops += path == PATH_AMX       ? dot_peak_amx(reps)
            : path == PATH_AVX512  ? dot_peak_avx512(reps)
-           : path == PATH_AVXVNNI ? dot_peak_avxvnni(reps)
-                                  : dot_peak_avx2(reps);
+           : path == PATH_AVXVNNI ? dot_peak_avx2<true>(reps)
+                                  : dot_peak_avx2<false>(reps);
 #endif
     return ops > 0 ? ops : -1;
 }

@@ -629,8 +629,14 @@ QG_AVX2 void rows_avx2(const Ctx& c, int64_t n, int cols, int64_t m0, int mt) {
 
 // The 8-bit dot peak of one thread on this path (the roofline's denominator for block
 // formats): `reps` rounds of 8 independent u8 x s8 multiply-add chains, as the kernels issue
-// them (maddubs, madd to int32, add). Returns the integer operations done, 2 per product.
+// them (maddubs, madd to int32, add; V, the AVX-VNNI path: vpdpbusd). Returns the integer
+// operations done, 2 per product; the emulated vpdpbusd (QG_EMULATE_AVX512) measures nothing of
+// the machine: -1, no probe.
+template <bool V>
 QG_AVX2 __attribute__((noinline)) int64_t dot_peak_avx2(int64_t reps) {
+#if defined(QG_EMULATE_AVX512)
+    if constexpr (V) return -1;
+#endif
     __m256i a = _mm256_set1_epi8(1), acc[8], b[8];
     const __m256i ones = _mm256_set1_epi16(1);
     for (int j = 0; j < 8; j++) {
@@ -639,37 +645,14 @@ QG_AVX2 __attribute__((noinline)) int64_t dot_peak_avx2(int64_t reps) {
     }
     for (int64_t r = 0; r < reps; r++) {
         asm("" : "+x"(a));  // a new operand each round: nothing is hoisted out of the loop
-        for (int j = 0; j < 8; j++) acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(_mm256_maddubs_epi16(a, b[j]), ones));
+        for (int j = 0; j < 8; j++)
+            acc[j] = V ? dpbusd_vnni(acc[j], a, b[j]) : _mm256_add_epi32(acc[j], _mm256_madd_epi16(_mm256_maddubs_epi16(a, b[j]), ones));
     }
     __m256i s = acc[0];
     for (int j = 1; j < 8; j++) s = _mm256_add_epi32(s, acc[j]);
     volatile int32_t sink = _mm256_extract_epi32(s, 0);
     (void)sink;
     return reps * 8 * 32 * 2;
-}
-
-// dot_peak_avx2 with AVX-VNNI's vpdpbusd (dot4_vnni's instruction, 32 products each). Emulated
-// (QG_EMULATE_AVX512) it measures nothing of the machine: -1, no probe.
-QG_AVX2 __attribute__((noinline)) int64_t dot_peak_avxvnni(int64_t reps) {
-#if defined(QG_EMULATE_AVX512)
-    (void)reps;
-    return -1;
-#else
-    __m256i a = _mm256_set1_epi8(1), acc[8], b[8];
-    for (int j = 0; j < 8; j++) {
-        acc[j] = _mm256_setzero_si256();
-        b[j] = _mm256_set1_epi8(char(j + 1));
-    }
-    for (int64_t r = 0; r < reps; r++) {
-        asm("" : "+x"(a));
-        for (int j = 0; j < 8; j++) acc[j] = dpbusd_vnni(acc[j], a, b[j]);
-    }
-    __m256i s = acc[0];
-    for (int j = 1; j < 8; j++) s = _mm256_add_epi32(s, acc[j]);
-    volatile int32_t sink = _mm256_extract_epi32(s, 0);
-    (void)sink;
-    return reps * 8 * 32 * 2;
-#endif
 }
 
 // The types this path has kernels for; on this path any other type runs its portable dot.
@@ -678,11 +661,9 @@ constexpr bool avx2_has(int t) {
            t == Q5_K || t == Q6_K;
 }
 
-// The types the AVX-VNNI path has its own kernels for (the block types with a repacked layout);
-// it runs the AVX2 kernels of the rest.
-constexpr bool avxvnni_has(int t) {
-    return t == Q4_0 || t == Q4_1 || t == Q5_0 || t == Q5_1 || t == Q8_0 || t == Q4_K || t == Q5_K || t == Q6_K;
-}
+// The types the AVX-VNNI path has its own kernels for: AVX2's block types with a repacked layout
+// (their tiles with V); it runs the AVX2 kernels of the rest.
+constexpr bool avxvnni_has(int t) { return avx2_has(t) && interleave_of(t) == kGroup; }
 
 // AVX2, FMA and F16C on the CPU, and the AVX state enabled by the OS (cpuid and xgetbv
 // directly: compilers differ in the feature names __builtin_cpu_supports accepts).
