@@ -430,6 +430,24 @@ def test_bench_linears_by_shape(q8_block_file, capsys):
         assert f"Q8_0 {shape[0]}x{shape[1]}" in out
 
 
+@pytest.mark.parametrize("weights", ["streamed", "cached"])
+def test_bench_linears_weights_from(q8_block_file, capsys, monkeypatch, weights):
+    """--weights cached runs each weight 1 + WARM_CALLS times in a row (the last call timed),
+    streamed once; each in every run and row count, and the JSON says which."""
+    from collections import Counter
+
+    from nanoinfer.bench import linears
+
+    calls = 1 + (linears.WARM_CALLS if weights == "cached" else 0)
+    path, want = q8_block_file
+    seen, real = Counter(), linears.quant.linear
+    monkeypatch.setattr(linears.quant, "linear", lambda x, w, *args, **kw: seen.update([w.data_ptr()]) or real(x, w, *args, **kw))
+    doc, out = run_bench(capsys, ["linears", "--model", str(path), "--rows", "1,2", "--runs", "3", "--path", "portable",
+                                  "--threads", "1", "--weights", weights])
+    assert doc["weights_from"] == weights and f"weights {weights}" in out
+    assert len(seen) == len(want) and set(seen.values()) == {2 * 3 * calls}
+
+
 def test_bench_verify(make_hf_model, capsys, monkeypatch):
     """Forwards of R rows of the one prefilled sequence at the position after its prompt (its
     token and R - 1 guesses), each row count in turn, the order reversed each round; the

@@ -202,6 +202,10 @@ def _add_commands(sub) -> None:
     lin.add_argument("--seed", type=int, default=0, help="seed of the activations (default 0)")
     lin.add_argument("--by", default="type", choices=["type", "shape"],
                      help="one line per block type, or per type and weight shape (N x K) (default type)")
+    lin.add_argument("--weights", default="streamed", choices=["streamed", "cached"],
+                     help="streamed: each weight once in turn, from memory as a decode step meets them; cached: "
+                          "each timed call after three untimed ones on the same weight, from the caches where it "
+                          "fits them (the kernels' compute rate) (default streamed)")
     lin.set_defaults(func=_linears)
     ver = sub.add_parser("verify", help="a forward's time by its rows of one sequence: what checking guesses costs",
                          description="One prompt prefilled, then forwards of R rows at the next position (its token "

@@ -171,7 +171,7 @@ def measured_peaks(device: torch.device, dtype: torch.dtype, remeasure: bool = F
     if (hit and not remeasure and hit.get("flops", 0) > 0 and hit.get("bandwidth", 0) > 0
             and hit.get("probe_bytes") == nbytes):
         return hit["flops"], hit["bandwidth"], "cached"
-    bandwidth = measure_bandwidth(device)
+    bandwidth = measure_bandwidth(device, nbytes)
     flops = measure_dot_peak() if block else measure_flops(device, dtype)
     cache[key] = {"flops": flops, "bandwidth": bandwidth, "probe_bytes": nbytes,
                   "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
