@@ -158,7 +158,7 @@ def test_probe_runs_and_is_cached(tmp_path, monkeypatch):
     assert peaks_mod.measure_bandwidth(cpu, nbytes=1 << 20, budget_s=0.01) > 0
     assert peaks_mod.measure_flops(cpu, torch.float32, n=64, budget_s=0.01) > 0
     calls = []
-    monkeypatch.setattr(peaks_mod, "measure_bandwidth", lambda d: calls.append("bw") or 2e10)
+    monkeypatch.setattr(peaks_mod, "measure_bandwidth", lambda d, n: calls.append("bw") or 2e10)
     monkeypatch.setattr(peaks_mod, "measure_flops", lambda d, dt: calls.append("flops") or 3e11)
 
     first = peaks_mod.resolve_peaks(cpu, torch.float32)
@@ -195,8 +195,8 @@ def test_bandwidth_probe_outgrows_the_last_level_cache(tmp_path, monkeypatch):
 
     monkeypatch.setenv("NANOINFER_CACHE_DIR", str(tmp_path / "peaks"))
     cpu = torch.device("cpu")
-    calls = []
-    monkeypatch.setattr(peaks_mod, "measure_bandwidth", lambda d: calls.append("bw") or 2e10)
+    calls, sizes = [], []
+    monkeypatch.setattr(peaks_mod, "measure_bandwidth", lambda d, n: calls.append("bw") or sizes.append(n) or 2e10)
     monkeypatch.setattr(peaks_mod, "measure_flops", lambda d, dt: calls.append("flops") or 3e11)
     path = tmp_path / "peaks" / "peaks.json"
     path.parent.mkdir()
@@ -208,6 +208,7 @@ def test_bandwidth_probe_outgrows_the_last_level_cache(tmp_path, monkeypatch):
     assert peaks_mod.resolve_peaks(cpu, torch.float32).source == "cached"
     monkeypatch.setattr(peaks_mod, "probe_bytes", lambda d: entry["probe_bytes"] * 2)  # another machine's caches
     assert peaks_mod.resolve_peaks(cpu, torch.float32).source == "measured" and len(calls) == 4
+    assert sizes == [entry["probe_bytes"], entry["probe_bytes"] * 2]  # each probe the size its entry keeps
 
 
 def test_block_models_peak_is_the_8_bit_dot(tmp_path, monkeypatch):
@@ -225,7 +226,7 @@ def test_block_models_peak_is_the_8_bit_dot(tmp_path, monkeypatch):
             quant.set_path(None)
         assert quant.dot_peak(0.05) > 1e9  # a real probe: billions of 8-bit products a second
     calls = []
-    monkeypatch.setattr(peaks_mod, "measure_bandwidth", lambda d: calls.append("bw") or 2e10)
+    monkeypatch.setattr(peaks_mod, "measure_bandwidth", lambda d, n: calls.append("bw") or 2e10)
     monkeypatch.setattr(peaks_mod, "measure_flops", lambda d, dt: calls.append("flops") or 3e11)
     monkeypatch.setattr(peaks_mod, "measure_dot_peak", lambda: calls.append("dot") or 9e11)
     block = peaks_mod.resolve_peaks(cpu, torch.float32, block=True)
