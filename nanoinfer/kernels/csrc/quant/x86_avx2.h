@@ -385,6 +385,7 @@ QG_AVX2 inline void add_scaled32(__m256i* isum, const __m256i* p, __m256i s32) {
 template <int T, int R, bool PF, bool V>
 QG_AVX2 void groupk_avx2(const Ctx& c, int64_t n, int64_t m0) {
     using L = PackedK<T>;
+    constexpr int C = R <= 2 ? 2 : 1;  // V: the int32 chains a row keeps at once (two sub-blocks or groups)
     const uint8_t* g = c.w + n * c.rb;
     const KActs<R> x(c, m0);
     __m256 acc[R];
@@ -400,40 +401,22 @@ QG_AVX2 void groupk_avx2(const Ctx& c, int64_t n, int64_t m0) {
 #pragma GCC unroll 2
             for (int h = 0; h < 2; h++)
 #pragma GCC unroll 4
-                for (int t = 0; t < 4; t++) {  // values 128h + 32t + (0..31): groups g (v < 4) and g + 1
-                    const int group = 8 * h + 2 * t;
-                    if constexpr (R <= 2) {  // two chains a row
-                        __m256i p0[R], p1[R];
-                        for (int i = 0; i < R; i++) {
-                            p0[i] = _mm256_set1_epi32(x.xqo[i][kSums16 * b + group]);
-                            p1[i] = _mm256_set1_epi32(x.xqo[i][kSums16 * b + group + 1]);
-                        }
-#pragma GCC unroll 4
-                        for (int v = 0; v < 4; v++) {
-                            const __m256i w0 = q6_weights(gb, h, t, v), w1 = q6_weights(gb, h, t, v + 4);
-                            for (int i = 0; i < R; i++) {
-                                const int8_t* xv = x.xq[i] + b * QK + 128 * h + 32 * t + 4 * v;
-                                p0[i] = dot4_vnni(p0[i], w0, xv);
-                                p1[i] = dot4_vnni(p1[i], w1, xv + 16);
-                            }
-                        }
-                        add_scaled32<R>(isum, p0, sc.scale32(group));
-                        add_scaled32<R>(isum, p1, sc.scale32(group + 1));
-                    } else {  // one a row, a group at a time
+                for (int t = 0; t < 4; t++)  // values 128h + 32t + 4v + (0..3): groups 8h + 2t (v < 4), 8h + 2t + 1
 #pragma GCC unroll 2
-                        for (int half = 0; half < 2; half++) {
-                            __m256i p[R];
-                            for (int i = 0; i < R; i++) p[i] = _mm256_set1_epi32(x.xqo[i][kSums16 * b + group + half]);
+                    for (int half0 = 0; half0 < 2; half0 += C) {  // groups 8h + 2t + half0 .. + C - 1 at once
+                        const int group = 8 * h + 2 * t + half0;
+                        __m256i p[C][R];
+                        for (int k = 0; k < C; k++)
+                            for (int i = 0; i < R; i++) p[k][i] = _mm256_set1_epi32(x.xqo[i][kSums16 * b + group + k]);
 #pragma GCC unroll 4
-                            for (int u = 0; u < 4; u++) {
-                                const int v = 4 * half + u;
+                        for (int u = 0; u < 4; u++)
+                            for (int k = 0; k < C; k++) {
+                                const int v = 4 * (half0 + k) + u;
                                 const __m256i w = q6_weights(gb, h, t, v);
-                                for (int i = 0; i < R; i++) p[i] = dot4_vnni(p[i], w, x.xq[i] + b * QK + 128 * h + 32 * t + 4 * v);
+                                for (int i = 0; i < R; i++) p[k][i] = dot4_vnni(p[k][i], w, x.xq[i] + b * QK + 128 * h + 32 * t + 4 * v);
                             }
-                            add_scaled32<R>(isum, p, sc.scale32(group + half));
-                        }
+                        for (int k = 0; k < C; k++) add_scaled32<R>(isum, p[k], sc.scale32(group + k));
                     }
-                }
             dv = load8_half(gb + L::q6_d);
         } else if constexpr (T == Q6_K) {
             const Q6Scales sc(gb);
@@ -468,34 +451,19 @@ QG_AVX2 void groupk_avx2(const Ctx& c, int64_t n, int64_t m0) {
                 for (int i = 0; i < R; i++)
                     acc[i] = _mm256_fnmadd_ps(_mm256_mul_ps(dmv, _mm256_broadcast_ss(x.xd[i] + b)), _mm256_cvtepi32_ps(ms[i]), acc[i]);
             }
-            if constexpr (V && R <= 2) {  // two chains a row: sub-blocks j (low nibbles) and j + 1 (high)
-#pragma GCC unroll 4
-                for (int j = 0; j < 8; j += 2) {
-                    __m256i p0[R], p1[R];
-                    for (int i = 0; i < R; i++) p0[i] = p1[i] = _mm256_setzero_si256();
+            if constexpr (V) {
 #pragma GCC unroll 8
-                    for (int v = 0; v < 8; v++) {
-                        const __m256i w0 = k_weights<T>(gb, j, v), w1 = k_weights<T>(gb, j + 1, v);
-                        for (int i = 0; i < R; i++) {
-                            const int8_t* xv = x.xq[i] + b * QK + 32 * j + 4 * v;
-                            p0[i] = dot4_vnni(p0[i], w0, xv);
-                            p1[i] = dot4_vnni(p1[i], w1, xv + 32);
+                for (int j0 = 0; j0 < 8; j0 += C) {  // sub-blocks j0 .. j0 + C - 1 at once
+                    __m256i p[C][R];
+                    for (int k = 0; k < C; k++)
+                        for (int i = 0; i < R; i++) p[k][i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+                    for (int v = 0; v < 8; v++)
+                        for (int k = 0; k < C; k++) {
+                            const __m256i w = k_weights<T>(gb, j0 + k, v);
+                            for (int i = 0; i < R; i++) p[k][i] = dot4_vnni(p[k][i], w, x.xq[i] + b * QK + 32 * (j0 + k) + 4 * v);
                         }
-                    }
-                    add_scaled32<R>(isum, p0, ks.scale32(j));
-                    add_scaled32<R>(isum, p1, ks.scale32(j + 1));
-                }
-            } else if constexpr (V) {  // one chain a row (sub-block j), so that every row's sums fit the registers
-#pragma GCC unroll 8
-                for (int j = 0; j < 8; j++) {
-                    __m256i p[R];
-                    for (int i = 0; i < R; i++) p[i] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-                    for (int v = 0; v < 8; v++) {
-                        const __m256i w = k_weights<T>(gb, j, v);
-                        for (int i = 0; i < R; i++) p[i] = dot4_vnni(p[i], w, x.xq[i] + b * QK + 32 * j + 4 * v);
-                    }
-                    add_scaled32<R>(isum, p, ks.scale32(j));
+                    for (int k = 0; k < C; k++) add_scaled32<R>(isum, p[k], ks.scale32(j0 + k));
                 }
             } else
 #pragma GCC unroll 8
