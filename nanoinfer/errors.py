@@ -11,6 +11,11 @@ class ModelLoadError(NanoinferError):
     """A model or tokenizer file is missing, corrupt or of an unsupported kind."""
 
 
+class SettingError(NanoinferError, ValueError):
+    """A setting (an environment variable, a command's option) names something unknown, or
+    something this machine cannot run (a kernel path its CPU lacks)."""
+
+
 class InvalidRequestError(NanoinferError, ValueError):
     """A request cannot be served: bad sampling value, prompt too long, ...
 

@@ -160,6 +160,7 @@ def test_engine_same_tokens_with_and_without_kernel(make_hf_model):
     ("missing", "unavailable"),  # $CXX names no program
     ("failing", "building the CPU kernels failed"),  # a "compiler" that exits 1
     ("disabled", ""),  # NANOINFER_CPU_KERNELS=0: off, silently
+    ("unparsable", "building the CPU kernels failed (NANOINFER_CXXFLAGS: no closing quotation)"),
 ])
 def test_without_a_working_compiler_the_pytorch_path_runs(how, message, monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("NANOINFER_CACHE_DIR", str(tmp_path))  # no kernel built before
@@ -167,6 +168,8 @@ def test_without_a_working_compiler_the_pytorch_path_runs(how, message, monkeypa
         monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     elif how == "failing":
         monkeypatch.setenv("CXX", shutil.which("false"))
+    elif how == "unparsable":
+        monkeypatch.setenv("NANOINFER_CXXFLAGS", '"-O2')
     else:
         monkeypatch.setenv("NANOINFER_CPU_KERNELS", "0")
     cpu_kernels.library.cache_clear()

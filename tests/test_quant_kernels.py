@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -24,6 +26,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 import emulated_build
+from nanoinfer.errors import SettingError
 from nanoinfer.kernels import cpu_kernels, quant
 from nanoinfer.tensors import QuantizedTensor
 
@@ -401,6 +404,28 @@ def test_bad_arguments_raise():
         quant.dequantize_rows(w, T.Q4_0, K + 32, torch.tensor([0]))
     with pytest.raises(ValueError, match="unknown path"):
         quant.set_path("avx9000")
+
+
+def test_a_bad_path_setting_is_one_line_at_load(default_gguf):
+    # importing never reads it; the first load does, and the CLI prints that one line
+    env = {**os.environ, "NANOINFER_QUANT_PATH": "bogus"}
+    assert subprocess.run([sys.executable, "-c", "import nanoinfer.kernels.quant"], env=env, timeout=120).returncode == 0
+    p = subprocess.run([sys.executable, "-m", "nanoinfer", "generate", "hi", "--model", str(default_gguf), "-n", "1"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith("error: NANOINFER_QUANT_PATH='bogus': unknown path")
+
+
+def test_a_path_this_cpu_lacks_is_a_setting_error(monkeypatch):
+    monkeypatch.setattr(quant, "paths", lambda: ["portable", "avx2"])
+    monkeypatch.setattr(quant, "_path", None)
+    monkeypatch.setenv("NANOINFER_QUANT_PATH", "avx512")
+    with pytest.raises(SettingError, match="NANOINFER_QUANT_PATH='avx512': the path is not available on this CPU"):
+        quant.current_path()
+    with pytest.raises(SettingError, match="not available on this CPU"):
+        quant.set_path("amx")
+    monkeypatch.setenv("NANOINFER_QUANT_PATH", "avx2")
+    assert quant.current_path() == quant._PATH_CODES["avx2"]
 
 
 def test_path_from_the_environment(monkeypatch):

@@ -9,6 +9,7 @@ import torch
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.kernels import quant
 from nanoinfer.kernels.quant_linear import QuantEmbedding, QuantLinear
+from nanoinfer.loaders import load_files
 from nanoinfer.models.batch import ForwardBatch
 from nanoinfer.reference import generate_uncached
 
@@ -119,8 +120,11 @@ def test_a_type_without_a_kernel_is_dequantised_with_a_line(ggufs, monkeypatch, 
     supported = quant.supported
     monkeypatch.setattr(quant, "supported", lambda t: t != q40 and supported(t))
     llm = LLM(ggufs["Q4_0"], dtype="auto")
-    err = capsys.readouterr().err
-    assert "no kernel for Q4_0" in err and "dequantised to float32" in err
+    lines = [line for line in capsys.readouterr().err.splitlines() if "dequantised to float32" in line]
+    n = sum(t.qtype == q40 for t in load_files(ggufs["Q4_0"], dtype=None).state.values() if hasattr(t, "qtype"))
+    assert n > 3 and len(lines) == 1  # one line for the format and its reason, naming the count
+    assert lines[0].startswith(f"nanoinfer: {n} Q4_0 tensor(s) dequantised to float32 at load (no kernel for Q4_0): ")
+    assert f"and {n - 3} more" in lines[0]
     assert llm.loaded.info["tensor_formats"].get("Q4_0") is None
     assert len(llm.generate(prompt(5, 3), SamplingParams(max_tokens=4, ignore_eos=True))[0].outputs[0].token_ids) == 4
 

@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 from gguf.constants import GGMLQuantizationType
 
+from ..errors import SettingError
 from ..user_cache import user_cache_dir
 from .weight_memory import streamed_empty
 
@@ -59,7 +60,10 @@ NO_AUTO_VNNI = ["-mno-avxvnni", "-mno-avx512vnni"] if platform.machine().lower()
 def _flags() -> list[str]:
     """FLAGS, the tuning for this CPU's vendor, plus $NANOINFER_CXXFLAGS (the tests build with
     -DQG_EMULATE_AVX512 to run the AVX-512 path through SIMDe on CPUs without it)."""
-    extra = shlex.split(os.environ.get("NANOINFER_CXXFLAGS", ""))
+    try:
+        extra = shlex.split(os.environ.get("NANOINFER_CXXFLAGS", ""))
+    except ValueError as e:  # an unclosed quote
+        raise SettingError(f"NANOINFER_CXXFLAGS: {str(e).lower()}") from None
     # (SIMDe's emulated AVX-512 maps to the native instructions the compiler may use: left as is)
     return FLAGS + ([] if "-DQG_EMULATE_AVX512" in extra else NO_AUTO_VNNI) + _vendor_flags() + extra
 
@@ -195,7 +199,10 @@ def library() -> ctypes.CDLL | None:
         print("nanoinfer: no C++ compiler found; the CPU runs the slower PyTorch paths", file=sys.stderr)
         return None
     try:
-        path, err = build(compiler, CSRC, SOURCES)
+        try:
+            path, err = build(compiler, CSRC, SOURCES)
+        except SettingError as e:  # flags that do not parse: as flags the compiler refuses
+            path, err = None, str(e)
         if err:
             print(f"nanoinfer: building the CPU kernels failed ({err}); using the PyTorch paths", file=sys.stderr)
             return None

@@ -17,9 +17,11 @@ the same bits on every path (`paths()`: "amx" where the CPU has AMX-TILE and AMX
 the AVX-512 path's features and Linux grants the tile registers, "avx512" where it has AVX-512
 F/BW/VL and VNNI, "avxvnni" where it has AVX2+FMA+F16C and AVX-VNNI (the AVX2 block kernels with
 VEX vpdpbusd), "avx2" where it has AVX2+FMA+F16C, "portable" everywhere). The fastest path
-runs unless `set_path(name)` or NANOINFER_QUANT_PATH (read at import and by `set_path(None)`)
-names one. "amx" hands Q4_K and Q5_K calls of 32 rows or more (prefill chunks, decode batches of
-32 and up) to the tile unit and runs everything else as "avx512" does (csrc/quant/x86_amx.h).
+runs unless `set_path(name)` or NANOINFER_QUANT_PATH (read at the kernels' first use and by
+`set_path(None)`) names one; an unknown name, or a path this CPU lacks, is a SettingError there,
+so a load fails with one line before any request. "amx" hands Q4_K and Q5_K calls of 32 rows or
+more (prefill chunks, decode batches of 32 and up) to the tile unit and runs everything else as
+"avx512" does (csrc/quant/x86_amx.h).
 
 Error against x @ dequantize(W).T (fp64): the activation rounding, at most half a step
 d_x / 2 per value (d_x = max|x| / 127 over the value's block), times |w|, summed, plus fp32
@@ -38,6 +40,7 @@ from pathlib import Path
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from ..errors import SettingError
 from ..tensors import QuantizedTensor
 from . import cpu_kernels
 from .weight_memory import streamed_empty
@@ -86,14 +89,23 @@ _ERRORS = {-1: "no kernel for this type", -2: "path not available on this CPU", 
            -4: "a row index is out of range", -5: "the type has no repacked layout"}
 
 
+def _path_code(name: str, setting: str) -> int:
+    """The code of the path `setting` names, which must be known and, with the compiled library
+    loaded, one this CPU runs."""
+    if name not in _PATH_CODES:
+        raise SettingError(f"{setting}{name!r}: unknown path; known paths are {list(_PATH_CODES)}")
+    available = paths()
+    if available and name not in available:
+        raise SettingError(f"{setting}{name!r}: the path is not available on this CPU (available: {available})")
+    return _PATH_CODES[name]
+
+
 def _path_from_env() -> int:
     name = os.environ.get("NANOINFER_QUANT_PATH") or None
-    if name is not None and name not in _PATH_CODES:
-        raise ValueError(f"NANOINFER_QUANT_PATH={name!r}: known paths are {list(_PATH_CODES)}")
-    return _PATH_CODES[name] if name else 0
+    return _path_code(name, "NANOINFER_QUANT_PATH=") if name else 0
 
 
-_path = _path_from_env()  # the path code every call passes
+_path: int | None = None  # the path code every call passes (current_path); None: the environment's, not read yet
 _local = threading.local()  # each thread's argument array for quant_linear
 
 
@@ -119,8 +131,12 @@ def row_bytes(qtype: int, K: int) -> int:
 
 
 def supported(qtype: int) -> bool:
-    """A kernel exists for qtype and the compiled library loaded."""
-    return qtype in RECORDS and cpu_kernels.library() is not None
+    """A kernel exists for qtype and the compiled library loaded. (Loaders ask this of each
+    weight, so it reads the path too: a bad NANOINFER_QUANT_PATH fails the load.)"""
+    if qtype not in RECORDS or cpu_kernels.library() is None:
+        return False
+    current_path()
+    return True
 
 
 def paths() -> list[str]:
@@ -148,11 +164,7 @@ def set_path(name: str | None) -> None:
     """Run later calls on one path ("portable", "avx2", "avxvnni", "avx512", "amx"), or with None on the
     one that NANOINFER_QUANT_PATH names (read at import and here), else the fastest."""
     global _path
-    if name is not None and name not in _PATH_CODES:
-        raise ValueError(f"unknown path {name!r}; known: {list(_PATH_CODES)}")
-    if name is not None and name not in paths():
-        raise ValueError(f"path {name!r} is not available on this CPU (available: {paths()})")
-    _path = _PATH_CODES[name] if name else _path_from_env()
+    _path = _path_code(name, "path ") if name else _path_from_env()
 
 
 def dot_peak(budget_s: float = 0.3) -> float:
@@ -165,7 +177,7 @@ def dot_peak(budget_s: float = 0.3) -> float:
     reps, best, start = 1 << 14, 0.0, time.perf_counter()
     while time.perf_counter() - start < budget_s:
         t0 = time.perf_counter()
-        ops = lib.quant_dot_peak(_path, reps)
+        ops = lib.quant_dot_peak(current_path(), reps)
         elapsed = time.perf_counter() - t0
         if ops < 0:
             return 0.0
@@ -178,12 +190,15 @@ def dot_peak(budget_s: float = 0.3) -> float:
 
 def current_path() -> int:
     """The path code calls pass now (0: the fastest)."""
+    global _path
+    if _path is None:
+        _path = _path_from_env()
     return _path
 
 
 def path_name() -> str | None:
     """The name of the path calls run on now: the one named, else `default_path()`."""
-    return _path_name(_path) or default_path()
+    return _path_name(current_path()) or default_path()
 
 
 def error_message(rc: int) -> str:
@@ -244,7 +259,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, qtype: int, bias: torch.Tensor | No
         args = (ctypes.c_int64 * 10)()
         addr = ctypes.addressof(args)
         _local.args = args, addr
-    args[:] = (qtype, _path, x.data_ptr(), w.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), M, K, N,
+    args[:] = (qtype, current_path(), x.data_ptr(), w.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), M, K, N,
                int(repacked))
     rc = lib.quant_linear(addr)
     if rc:

@@ -84,8 +84,13 @@ def has_block_weights(model: nn.Module) -> bool:
     return False
 
 
-def kernel_for(t: QuantizedTensor) -> bool:
-    return quant.supported(t.qtype) and t.shape[1] % quant.block_size(t.qtype) == 0
+def kernel_gap(t: QuantizedTensor) -> str | None:
+    """Why no block kernel runs t (None: one does)."""
+    if not quant.supported(t.qtype):
+        return f"no kernel for {t.type_name}" if quant.paths() else "the compiled CPU kernels are unavailable"
+    if t.shape[1] % quant.block_size(t.qtype):
+        return f"rows of {t.shape[1]} values are not whole {t.type_name} blocks"
+    return None
 
 
 def parameter_count(model: nn.Module) -> int:

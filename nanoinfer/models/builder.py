@@ -19,7 +19,7 @@ from .. import registry
 from ..config import ModelConfig
 from ..errors import ModelLoadError
 from ..kernels.cpu_linear import adapt_linears
-from ..kernels.quant_linear import kernel_for
+from ..kernels.quant_linear import kernel_gap
 from ..kernels.weight_memory import return_freed_heap
 from ..loaders import load_files
 from ..loaders.gguf import dequantize
@@ -48,7 +48,7 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | None = torch
                device: str | torch.device = "cpu", overrides: dict | None = None,
                transform: Callable[[nn.Module, ModelConfig], nn.Module] | None = None) -> LoadedModel:
     """dtype None ("auto"): a GGUF's tensors as stored, each run by the kernel for its block
-    format (a type without one is dequantised at load, with a line saying so); other formats
+    format (a type without one is dequantised at load, with a line per format and reason); other formats
     in float32. overrides: for nanochat checkpoints (see loaders.load_files). transform: applied
     to the built module (a tensor-parallel rank keeps its share)."""
     t0 = time.perf_counter()
@@ -65,14 +65,19 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | None = torch
 
 
 def _settle_formats(state: dict) -> dict[str, int]:
-    """Dequantise the block-format tensors no kernel runs; count the tensors of each format."""
+    """Dequantise the block-format tensors no kernel runs, with a line per format and reason;
+    count the tensors of each format."""
     formats: Counter[str] = Counter()
+    dequantised: dict[tuple[str, str], list[str]] = {}
     for name, t in state.items():
-        if isinstance(t, QuantizedTensor) and not kernel_for(t):
-            print(f"nanoinfer: {name}: no kernel for {t.type_name} [{t.shape[0]}, {t.shape[1]}]; "
-                  "dequantised to float32 at load", file=sys.stderr)
+        if isinstance(t, QuantizedTensor) and (gap := kernel_gap(t)) is not None:
+            dequantised.setdefault((t.type_name, gap), []).append(f"{name} [{t.shape[0]}, {t.shape[1]}]")
             state[name] = t = dequantize(t)
         formats[t.type_name if isinstance(t, QuantizedTensor) else str(t.dtype).removeprefix("torch.")] += 1
+    for (type_name, gap), names in dequantised.items():
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        print(f"nanoinfer: {len(names)} {type_name} tensor(s) dequantised to float32 at load ({gap}): "
+              f"{', '.join(names[:3])}{more}", file=sys.stderr)
     return dict(formats)
 
 
