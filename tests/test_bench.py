@@ -517,6 +517,17 @@ def test_add_bench_parser_hooks_into_a_cli():
         assert callable(args.func) and args.model == "x.gguf"
 
 
+@pytest.mark.parametrize("command", ["latency", "throughput", "loop", "sampler", "linears", "verify"])  # those that run a model
+def test_bench_threads_must_be_positive(command, capsys):
+    p = argparse.ArgumentParser(prog="nanoinfer")
+    add_bench_parser(p.add_subparsers(dest="command", required=True))
+    assert p.parse_args(["bench", command, "--threads", "3"]).threads == 3
+    for bad in ("0", "-1", "x"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["bench", command, "--threads", bad])
+    assert "--threads" in capsys.readouterr().err
+
+
 def test_bench_linears_path_choices_are_the_dispatch_paths():
     # the CLI spells the paths out (importing the kernels would slow every --help); they must not drift
     from nanoinfer.kernels.quant import PATH_NAMES

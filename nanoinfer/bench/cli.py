@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import argparse
 
-from ..cli_args import KV_CACHE_DTYPES, add_engine_args, add_model_args, add_speculative_arg, run_command
+from ..cli_args import KV_CACHE_DTYPES, add_engine_args, add_model_args, add_speculative_arg, positive_int, run_command
+
+
+def _add_threads(p: argparse.ArgumentParser) -> None:
+    # run_command sets them before the bench runs (threads.use)
+    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: the physical cores)")
 
 
 def _common(p: argparse.ArgumentParser, peaks: bool = False, plot: bool = True) -> None:
     # the dtype is picked once the device is known (common.setup)
     add_model_args(p, dtype=None, dtype_rule="bfloat16 on CUDA, float32 on CPU", max_model_len=False, device=None,
                    threads=False)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    _add_threads(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
     if plot:
         p.add_argument("--plot", default=None, metavar="FILE.png", help="also draw a plot")
@@ -185,7 +190,7 @@ def _add_commands(sub) -> None:
     smp.add_argument("--mixes", default="top_p,temperature,top_k,penalties,greedy+bias",
                      help="comma-separated sampling mixes (default all)")
     smp.add_argument("--repeats", type=int, default=3, help="alternating runs; the median is shown (default 3)")
-    smp.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    _add_threads(smp)
     smp.add_argument("--seed", type=int, default=0, help="seed of the logits (default 0)")
     smp.add_argument("--no-kernels", action="store_true",
                      help="the batched sampler's PyTorch path alone, without the compiled sampling")
@@ -198,7 +203,7 @@ def _add_commands(sub) -> None:
     lin.add_argument("--runs", type=int, default=5, help="alternating runs; the median is shown (default 5)")
     lin.add_argument("--path", default="auto", choices=["auto", "portable", "avx2", "avxvnni", "avx512", "amx"],
                      help="the kernels' dispatch path (default auto: the fastest this CPU runs)")
-    lin.add_argument("--threads", type=int, default=None, help="kernel threads (default: the physical cores)")
+    _add_threads(lin)
     lin.add_argument("--seed", type=int, default=0, help="seed of the activations (default 0)")
     lin.add_argument("--by", default="type", choices=["type", "shape"],
                      help="one line per block type, or per type and weight shape (N x K) (default type)")

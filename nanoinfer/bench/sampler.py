@@ -23,8 +23,6 @@ MIXES = {
 
 
 def run(a: argparse.Namespace) -> int:
-    if a.threads:
-        torch.set_num_threads(a.threads)
     g = torch.Generator().manual_seed(a.seed)
     # logits shaped like a small model's: a few likely tokens over a long tail
     logits = torch.randn(a.rows, a.vocab, generator=g) * a.spread
