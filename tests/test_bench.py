@@ -528,18 +528,6 @@ def test_bench_threads_must_be_positive(command, capsys):
     assert "--threads" in capsys.readouterr().err
 
 
-def test_bench_linears_path_choices_are_the_dispatch_paths():
-    # the CLI spells the paths out (importing the kernels would slow every --help); they must not drift
-    from nanoinfer.kernels.quant import PATH_NAMES
-
-    p = argparse.ArgumentParser(prog="nanoinfer")
-    add_bench_parser(p.add_subparsers(dest="command", required=True))
-    bench = next(a for a in p._subparsers._group_actions[0].choices["bench"]._actions
-                 if isinstance(a, argparse._SubParsersAction))
-    path = next(a for a in bench.choices["linears"]._actions if a.dest == "path")
-    assert path.choices == ["auto", *PATH_NAMES]
-
-
 # --- bench latency --compare llama.cpp, against a stand-in llama_cpp module ----------------
 # A real subprocess of this interpreter runs the bench's llama.cpp script; PYTHONPATH puts a
 # stub `llama_cpp` first, which sleeps a little per token and logs what it was asked.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from ..cli_args import KV_CACHE_DTYPES, add_engine_args, add_model_args, add_speculative_arg, positive_int, run_command
+from ..kernels.quant import PATH_NAMES
 
 
 def _add_threads(p: argparse.ArgumentParser) -> None:
@@ -201,7 +202,7 @@ def _add_commands(sub) -> None:
     lin.add_argument("--model", default=None, help="a GGUF file (default: the default model)")
     lin.add_argument("--rows", default="1,4,8", help="activation rows per call, comma-separated (default 1,4,8)")
     lin.add_argument("--runs", type=int, default=5, help="alternating runs; the median is shown (default 5)")
-    lin.add_argument("--path", default="auto", choices=["auto", "portable", "avx2", "avxvnni", "avx512", "amx"],
+    lin.add_argument("--path", default="auto", choices=["auto", *PATH_NAMES],
                      help="the kernels' dispatch path (default auto: the fastest this CPU runs)")
     _add_threads(lin)
     lin.add_argument("--seed", type=int, default=0, help="seed of the activations (default 0)")

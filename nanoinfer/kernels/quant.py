@@ -162,7 +162,7 @@ def _path_name(code: int) -> str | None:
 
 def set_path(name: str | None) -> None:
     """Run later calls on one path ("portable", "avx2", "avxvnni", "avx512", "amx"), or with None on the
-    one that NANOINFER_QUANT_PATH names (read at import and here), else the fastest."""
+    one that NANOINFER_QUANT_PATH names (read at the kernels' first use and here), else the fastest."""
     global _path
     _path = _path_code(name, "path ") if name else _path_from_env()
 
