@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import ctypes
-import os
 import random
 
 import pytest
@@ -23,15 +22,9 @@ def portable_library():
     compiler = cpu_kernels.find_compiler()
     if compiler is None or not cpu_kernels.enabled():
         pytest.skip("no C++ compiler: the kernels cannot be built here")
-    old = os.environ.get("NANOINFER_CXXFLAGS")
-    os.environ["NANOINFER_CXXFLAGS"] = "-DSAMPLING_PORTABLE"
-    try:
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("NANOINFER_CXXFLAGS", "-DSAMPLING_PORTABLE")
         path, err = cpu_kernels.build(compiler, cpu_kernels.CSRC, [cpu_kernels.CSRC / "sampling.cpp"])
-    finally:
-        if old is None:
-            del os.environ["NANOINFER_CXXFLAGS"]
-        else:
-            os.environ["NANOINFER_CXXFLAGS"] = old
     assert err is None, err
     lib = ctypes.CDLL(str(path))
     cpu_kernels.declare_sampling(lib)

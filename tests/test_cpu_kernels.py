@@ -1,6 +1,8 @@
 """The compiled CPU decode-attention kernel against the plain PyTorch path it replaces."""
 from __future__ import annotations
 
+import ctypes
+import os
 import shutil
 
 import pytest
@@ -133,6 +135,31 @@ def test_a_row_is_the_same_bits_alone_and_in_a_batch(case, q_dtype, kv_dtype):
         assert torch.equal(alone[b], together[b]), b
 
 
+@pytest.fixture(scope="module")
+def sixteen_register_attention():
+    """paged_attention.cpp built with -mno-avx512f: the path of CPUs with AVX2 alone (Zen 3), where
+    16 vector registers make a group of query heads take fewer keys and values at a time."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("NANOINFER_CXXFLAGS", f"{os.environ.get('NANOINFER_CXXFLAGS', '')} -mno-avx512f")
+        path, err = cpu_kernels.build(cpu_kernels.find_compiler(), cpu_kernels.CSRC,
+                                      [cpu_kernels.CSRC / "paged_attention.cpp"])
+    assert err is None, err
+    lib = ctypes.CDLL(str(path))
+    cpu_kernels.declare_attention(lib)
+    return lib
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] // c[1] >= 3])
+def test_sixteen_register_build_matches_pytorch_and_keeps_rows_apart(case, sixteen_register_attention, monkeypatch):
+    """Groups of six, four and three query heads (and the rest) as an AVX2-only CPU computes them:
+    close to PyTorch, and a row's bits the same alone and in a batch."""
+    monkeypatch.setattr(cpu_kernels, "library", lambda: sixteen_register_attention)
+    test_kernel_matches_pytorch_fp32(case)
+    for q_dtype, kv_dtype in [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                              (torch.bfloat16, torch.bfloat16)]:
+        test_a_row_is_the_same_bits_alone_and_in_a_batch(case, q_dtype, kv_dtype)
+
+
 def test_kernel_leaves_other_rows_alone():
     """Rows that are not decodes (prefill rows, handled elsewhere) are not written."""
     _, (cache, tables, ctx, params), q, k, v, rows = random_batch(2, torch.float32, 9, 3, 64, 16, [20, 3], None)
@@ -188,8 +215,6 @@ def test_without_a_working_compiler_the_pytorch_path_runs(how, message, monkeypa
 def test_builds_without_a_writable_cache(monkeypatch, tmp_path):
     """A cache directory that cannot be created (a file sits where it should be): the
     kernels are built for this process in a private temporary directory instead."""
-    import ctypes
-
     compiler = cpu_kernels.find_compiler()
     if compiler is None:
         pytest.skip("no C++ compiler")

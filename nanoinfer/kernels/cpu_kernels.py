@@ -211,14 +211,8 @@ def library() -> ctypes.CDLL | None:
         print(f"nanoinfer: the CPU kernels are unavailable ({e}); using the PyTorch paths", file=sys.stderr)
         return None
     p, i = ctypes.c_void_p, ctypes.c_int64
-    for name in set(DECODE_ENTRY_POINTS.values()):
-        getattr(lib, name).argtypes = [p, p, p, p, p, i, p, p, i, i, i, i, i, i, i, ctypes.c_float, ctypes.c_float]
-        getattr(lib, name).restype = ctypes.c_int
+    declare_attention(lib)
     lib.decoder_stack.argtypes = [p, p]  # structures: kernels/decoder_stack.py
-    lib.kv_quantize_q8.argtypes = [p, i, i, p, i]
-    lib.kv_quantize_q8.restype = None
-    lib.kv_rotate.argtypes = [p, i, i, i]
-    lib.kv_rotate.restype = None
     lib.decoder_stack.restype = ctypes.c_int
     lib.routed_experts.argtypes = [p, i, p, i, p, p, p]  # the layer's structure: kernels/routed_experts.py
     lib.routed_experts.restype = ctypes.c_int
@@ -234,6 +228,18 @@ def library() -> ctypes.CDLL | None:
         for op in ("rms_norm", "rope", "silu_mul", "gelu_tanh_mul"):
             getattr(lib, f"{op}_{suffix}").restype = None
     return lib
+
+
+def declare_attention(lib: ctypes.CDLL) -> None:
+    """The argument types of csrc/paged_attention.cpp's entry points."""
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    for name in set(DECODE_ENTRY_POINTS.values()):
+        getattr(lib, name).argtypes = [p, p, p, p, p, i, p, p, i, i, i, i, i, i, i, ctypes.c_float, ctypes.c_float]
+        getattr(lib, name).restype = ctypes.c_int
+    lib.kv_quantize_q8.argtypes = [p, i, i, p, i]
+    lib.kv_quantize_q8.restype = None
+    lib.kv_rotate.argtypes = [p, i, i, i]
+    lib.kv_rotate.restype = None
 
 
 def declare_sampling(lib: ctypes.CDLL) -> None:

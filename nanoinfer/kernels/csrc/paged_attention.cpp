@@ -153,23 +153,35 @@ inline __m128 hsum4x8(const __m256* a) {
     return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
-// Whether a kv head's query heads go six or four at a time (dots_all, weighted_all): where the
-// compiler has 32 vector registers (AVX-512 VL, even for these 256-bit vectors), 6 heads x 4 keys
-// of sums, 4 keys' vectors and a query vector fit them (dots_heads). Against three at a time, on
-// a 2-vCPU Zen 4 (bf16 cache, the calls of one layer): 12 query heads over 2 kv heads at D = 128
-// (Qwen2.5 1.5B) one row at position 513 1.05-1.09x, 4 rows 1.09-1.14x, a 512-row chunk ending at
-// 2048 1.12x; 8 over 2 1.15-1.18x; 14 over 2 at D = 64 (six and one) 1.02-1.10x. Sixteen
-// registers would spill them.
+// A kv head's query heads go six, four or three at a time (for_head_groups). With 32 vector
+// registers (AVX-512 VL, even for these 256-bit vectors) a group's scores take 4 keys and its
+// weighted values 32 at a time: 6 heads x 4 keys of sums, 4 keys' vectors and a query vector fit
+// them (dots_heads). Against three heads at a time, on a 2-vCPU Zen 4 (bf16 cache, the calls of one
+// layer): 12 query heads over 2 kv heads at D = 128 (Qwen2.5 1.5B) one row at position 513
+// 1.05-1.09x, 4 rows 1.09-1.14x, a 512-row chunk ending at 2048 1.12x; 8 over 2 1.15-1.18x; 14 over
+// 2 at D = 64 (six and one) 1.02-1.10x. With 16 (AVX2), groups of four or six take 2 keys and 16
+// values at a time instead (12 sums, 2 keys' vectors and a query vector). Three heads keep 4 and 32
+// (16 values at a time, 4 over 1 at D = 256 took 1.24x the time at 4 rows). Against groups of three
+// there, on a 2-vCPU Xeon built with -mno-avx512f (28 layers' calls, bf16 cache, position 512): 12
+// over 2 at D = 128 one row 1.19x, 4 rows 1.24x; 8 over 2 at D = 128 4 rows 1.16x; 4 over 1 at D =
+// 256 (Gemma 3) 1.14x one row, 1.17x 4 rows.
 #if defined(__AVX512VL__)
 constexpr bool kWideHeads = true;
 #else
 constexpr bool kWideHeads = false;
 #endif
 
+// The sums of two vectors' lanes, in hsum8x8's order.
+inline __m128 hsum2x8(const __m256* a) {
+    const __m256 h = _mm256_hadd_ps(a[0], a[1]);
+    const __m256 s = _mm256_hadd_ps(h, h);
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
 // Scores of NG query heads (q, q + D, ..., in load16's order) over n rows of one kv head's keys,
-// `stride` elements apart: out[g * out_step + i] = q_g . row i. R rows at a time keep NG * R sums
-// in flight; they are taken P rows a pass (all R where the registers hold NG * R sums, P rows'
-// key vectors and a query vector), and in a pass each query vector is loaded once for its P
+// `stride` elements apart: out[g * out_step + i] = q_g . row i. R rows at a time (kGroupKeys) keep
+// NG * R sums in flight; they are taken P rows a pass (all R where the registers hold NG * R sums,
+// P rows' key vectors and a query vector), and in a pass each query vector is loaded once for its P
 // products and each key vector once for the NG heads. (Keys one at a time, the compiler made the
 // query a memory operand of every multiply-add, and the loads outnumbered them: this way, 12 query
 // heads over 2 kv heads at D = 128 and 512 keys, a bf16 cache, 28 calls on a 2-vCPU Zen 4 took
@@ -177,12 +189,14 @@ constexpr bool kWideHeads = false;
 // pass, 0.97-0.99x.) A score is one chain of multiply-adds per lane, in the order of its values,
 // and hsum8x8's lane sum, whatever NG, R and P (a short last group recomputes its first row and
 // drops it).
+template <int NG>
+constexpr int kGroupKeys = NG == 1 ? 8 : kWideHeads || NG <= 3 ? 4 : 2;
 template <int NG, int R>
 constexpr int kPassRows = kWideHeads || NG * R + R + 1 <= 16 ? R : NG * R + R / 2 + 1 <= 16 ? R / 2 : 1;
 
 template <int D, int NG, typename T>
 inline void dots_heads(const float* q, const T* rows, int64_t stride, int64_t n, float* out, int64_t out_step) {
-    constexpr int R = NG == 1 ? 8 : 4, P = kPassRows<NG, R>;
+    constexpr int R = kGroupKeys<NG>, P = kPassRows<NG, R>;
     for (int64_t i = 0; i < n; i += R) {
         const int64_t rn = std::min<int64_t>(R, n - i);
         __m256 a[NG][R];
@@ -207,51 +221,53 @@ inline void dots_heads(const float* q, const T* rows, int64_t stride, int64_t n,
             float* o = out + g * out_step + i;
             if (rn == R) {  // a full group: its R scores stored at once
                 if constexpr (R == 8) _mm256_storeu_ps(o, hsum8x8(a[g]));
-                else _mm_storeu_ps(o, hsum4x8(a[g]));
+                else if constexpr (R == 4) _mm_storeu_ps(o, hsum4x8(a[g]));
+                else _mm_storel_pi(reinterpret_cast<__m64*>(o), hsum2x8(a[g]));
                 continue;
             }
             alignas(32) float sums[8];
             if constexpr (R == 8) _mm256_store_ps(sums, hsum8x8(a[g]));
-            else _mm_store_ps(sums, hsum4x8(a[g]));
+            else if constexpr (R == 4) _mm_store_ps(sums, hsum4x8(a[g]));
+            else _mm_store_ps(sums, hsum2x8(a[g]));
             for (int64_t j = 0; j < rn; j++) o[j] = sums[j];
         }
     }
 }
 
 // acc_g[d] += sum_i p_g[i] * row i's value d for NG heads (p_g = p + g * p_step, acc_g = acc + g *
-// acc_step, both in load16's order), over n rows `stride` elements apart: 32 values at a time, each
+// acc_step, both in load16's order), over n rows `stride` elements apart: 8 C values at a time, each
 // row's chunk loaded (and widened) once for the NG heads, the sums in registers.
 template <int D, int NG, typename T>
 inline void weighted_heads(const float* p, int64_t p_step, const T* rows, int64_t stride, int64_t n, float* acc,
                            int64_t acc_step) {
-    for (int c = 0; c < D; c += 32) {
-        __m256 a[NG][4];
+    constexpr int C = kWideHeads || NG <= 3 ? 4 : 2;  // see kWideHeads
+    for (int c = 0; c < D; c += 8 * C) {
+        __m256 a[NG][C];
         for (int g = 0; g < NG; g++)
-            for (int j = 0; j < 4; j++) a[g][j] = _mm256_loadu_ps(acc + g * acc_step + c + 8 * j);
+            for (int j = 0; j < C; j++) a[g][j] = _mm256_loadu_ps(acc + g * acc_step + c + 8 * j);
         for (int64_t i = 0; i < n; i++) {
             const T* r = rows + i * stride;
-            __m256 v[4];
-            load16(r, c, v[0], v[1]);
-            load16(r, c + 16, v[2], v[3]);
+            __m256 v[C];
+            for (int j = 0; j < C; j += 2) load16(r, c + 8 * j, v[j], v[j + 1]);
             for (int g = 0; g < NG; g++) {
                 const __m256 w = _mm256_broadcast_ss(p + g * p_step + i);
-                for (int j = 0; j < 4; j++) a[g][j] = _mm256_fmadd_ps(w, v[j], a[g][j]);
+                for (int j = 0; j < C; j++) a[g][j] = _mm256_fmadd_ps(w, v[j], a[g][j]);
             }
         }
         for (int g = 0; g < NG; g++)
-            for (int j = 0; j < 4; j++) _mm256_storeu_ps(acc + g * acc_step + c + 8 * j, a[g][j]);
+            for (int j = 0; j < C; j++) _mm256_storeu_ps(acc + g * acc_step + c + 8 * j, a[g][j]);
     }
 }
 
 // Query heads [h0, h1), G to a kv head, in the groups that dots_heads and weighted_heads take:
-// each kv head's heads six or four at a time (kWideHeads), else three, then the rest.
+// each kv head's heads six or four at a time, else three, then the rest.
 // fn(std::integral_constant<int, NG>, h, hk) for each group of NG heads from h, of kv head hk.
 template <typename Fn>
 inline void for_head_groups(int64_t h0, int64_t h1, int64_t G, Fn fn) {
     for (int64_t h = h0; h < h1;) {
         const int64_t hk = h / G, left = std::min<int64_t>((hk + 1) * G, h1) - h;
-        if (kWideHeads && left >= 6) fn(std::integral_constant<int, 6>{}, h, hk), h += 6;
-        else if (kWideHeads && left >= 4) fn(std::integral_constant<int, 4>{}, h, hk), h += 4;
+        if (left >= 6) fn(std::integral_constant<int, 6>{}, h, hk), h += 6;
+        else if (left >= 4) fn(std::integral_constant<int, 4>{}, h, hk), h += 4;
         else if (left >= 3) fn(std::integral_constant<int, 3>{}, h, hk), h += 3;
         else if (left == 2) fn(std::integral_constant<int, 2>{}, h, hk), h += 2;
         else fn(std::integral_constant<int, 1>{}, h, hk), h += 1;
