@@ -163,8 +163,8 @@ inline __m128 hsum4x8(const __m256* a) {
 // values at a time instead (12 sums, 2 keys' vectors and a query vector). Three heads keep 4 and 32
 // (16 values at a time, 4 over 1 at D = 256 took 1.24x the time at 4 rows). Against groups of three
 // there, on a 2-vCPU Xeon built with -mno-avx512f (28 layers' calls, bf16 cache, position 512): 12
-// over 2 at D = 128 one row 1.19x, 4 rows 1.24x; 8 over 2 at D = 128 4 rows 1.16x; 4 over 1 at D =
-// 256 (Gemma 3) 1.14x one row, 1.17x 4 rows.
+// over 2 at D = 128 one row 1.19x, 4 rows 1.21-1.24x; 8 over 2 at D = 128 4 rows 1.15-1.16x; 4 over
+// 1 at D = 256 (Gemma 3) one row 1.13-1.14x, 4 rows 1.17-1.21x.
 #if defined(__AVX512VL__)
 constexpr bool kWideHeads = true;
 #else
