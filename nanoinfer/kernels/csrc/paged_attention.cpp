@@ -171,6 +171,11 @@ constexpr bool kWideHeads = true;
 constexpr bool kWideHeads = false;
 #endif
 
+// Whether a group of NG heads takes 2 keys and 16 values at a time (16 registers, four or six
+// heads), not 4 and 32.
+template <int NG>
+constexpr bool kTightGroup = !kWideHeads && NG > 3;
+
 // The sums of two vectors' lanes, in hsum8x8's order.
 inline __m128 hsum2x8(const __m256* a) {
     const __m256 h = _mm256_hadd_ps(a[0], a[1]);
@@ -190,7 +195,7 @@ inline __m128 hsum2x8(const __m256* a) {
 // and hsum8x8's lane sum, whatever NG, R and P (a short last group recomputes its first row and
 // drops it).
 template <int NG>
-constexpr int kGroupKeys = NG == 1 ? 8 : kWideHeads || NG <= 3 ? 4 : 2;
+constexpr int kGroupKeys = NG == 1 ? 8 : kTightGroup<NG> ? 2 : 4;
 template <int NG, int R>
 constexpr int kPassRows = kWideHeads || NG * R + R + 1 <= 16 ? R : NG * R + R / 2 + 1 <= 16 ? R / 2 : 1;
 
@@ -240,7 +245,7 @@ inline void dots_heads(const float* q, const T* rows, int64_t stride, int64_t n,
 template <int D, int NG, typename T>
 inline void weighted_heads(const float* p, int64_t p_step, const T* rows, int64_t stride, int64_t n, float* acc,
                            int64_t acc_step) {
-    constexpr int C = kWideHeads || NG <= 3 ? 4 : 2;  // see kWideHeads
+    constexpr int C = kTightGroup<NG> ? 2 : 4;
     for (int c = 0; c < D; c += 8 * C) {
         __m256 a[NG][C];
         for (int g = 0; g < NG; g++)
