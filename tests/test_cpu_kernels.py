@@ -135,12 +135,25 @@ def test_a_row_is_the_same_bits_alone_and_in_a_batch(case, q_dtype, kv_dtype):
         assert torch.equal(alone[b], together[b]), b
 
 
-@pytest.fixture(scope="module")
-def sixteen_register_attention():
-    """paged_attention.cpp built with -mno-avx512f: the path of CPUs with AVX2 alone (Zen 3), where
-    16 vector registers make a group of query heads take fewer keys and values at a time."""
+CPU_FLAGS = cpu_kernels.first_processor().get("flags", "").split()
+ATTENTION_BUILDS = {  # the decode attention's three forms, each built wherever this CPU runs it
+    # AVX2 alone (Zen 3): 16 vector registers make a group of query heads take fewer keys and values at a time
+    "sixteen registers": ("-mno-avx512f", True),
+    # AVX-512 on 256-bit vectors (the build elsewhere than Intel: Zen 4, Zen 5)
+    "256-bit with 32 registers": ("-UPA_WIDE_VECTORS", "avx512vl" in CPU_FLAGS),
+    # AVX-512 on 512-bit vectors (Intel's build)
+    "512-bit": ("-DPA_WIDE_VECTORS", {"avx512bw", "avx512vl"} <= set(CPU_FLAGS)),
+}
+
+
+@pytest.fixture(scope="module", params=list(ATTENTION_BUILDS))
+def attention_build(request):
+    """paged_attention.cpp built in one of its forms, whatever this CPU's own build is."""
+    flags, runs_here = ATTENTION_BUILDS[request.param]
+    if not runs_here:
+        pytest.skip(f"this CPU cannot run the {request.param} build")
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("NANOINFER_CXXFLAGS", f"{os.environ.get('NANOINFER_CXXFLAGS', '')} -mno-avx512f")
+        env.setenv("NANOINFER_CXXFLAGS", f"{os.environ.get('NANOINFER_CXXFLAGS', '')} {flags}")
         path, err = cpu_kernels.build(cpu_kernels.find_compiler(), cpu_kernels.CSRC,
                                       [cpu_kernels.CSRC / "paged_attention.cpp"])
     assert err is None, err
@@ -149,12 +162,13 @@ def sixteen_register_attention():
     return lib
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c[0] // c[1] >= 3])
-def test_sixteen_register_build_matches_pytorch_and_keeps_rows_apart(case, sixteen_register_attention, monkeypatch):
-    """Groups of six, four and three query heads (and the rest) as an AVX2-only CPU computes them:
-    close to PyTorch, and a row's bits the same alone and in a batch."""
-    monkeypatch.setattr(cpu_kernels, "library", lambda: sixteen_register_attention)
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] // c[1] >= 3 or c[2] % 32 == 0])
+def test_each_build_matches_pytorch_and_keeps_rows_apart(case, attention_build, monkeypatch):
+    """Groups of six, four and three query heads (and the rest), every head size, as each form
+    computes them: close to PyTorch, and a row's bits the same alone and in a batch."""
+    monkeypatch.setattr(cpu_kernels, "library", lambda: attention_build)
     test_kernel_matches_pytorch_fp32(case)
+    test_kernel_matches_pytorch_bf16(case)
     for q_dtype, kv_dtype in [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
                               (torch.bfloat16, torch.bfloat16)]:
         test_a_row_is_the_same_bits_alone_and_in_a_batch(case, q_dtype, kv_dtype)
@@ -246,7 +260,7 @@ CPUINFO = ("processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel
 
 
 @pytest.mark.parametrize("vendor, family, flags, want", [
-    ("GenuineIntel", "6", "fpu avx2 avx512f", ["-DQG_PREFETCH_ONE_GROUP=24576"]),
+    ("GenuineIntel", "6", "fpu avx2 avx512f", ["-DQG_PREFETCH_ONE_GROUP=24576", "-DPA_WIDE_VECTORS"]),
     ("AuthenticAMD", "25", "fpu avx2", ["-DQG_PREFETCH_LOCALITY=2", "-DQG_NARROW_TILE_ROWS=1"]),  # Zen 3
     ("AuthenticAMD", "25", "fpu avx2 avx512f avx512_vnni",  # Zen 4: Q8_0 (8) and Q4_K (12) left to the hardware
      ["-DQG_PREFETCH_LOCALITY=2", "-DQG_NARROW_TILE_ROWS=1", "-DQG_UNPREFETCHED_TYPES=4352"]),

@@ -64,29 +64,60 @@ inline void for_each_row(const T* cache, const int64_t* table, int64_t t0, int64
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// Values i .. i + 15 of a head's row (i a multiple of 16) as two vectors (load16; half16 gives a
-// with high 0, b with high 1), in `lanes16` order: a float row as it is (a: 0-7, b: 8-15); a bf16
-// row through unpacking with zeros, one shuffle a vector and no shift (a: 0-3 and 8-11, b: 4-7 and
-// 12-15). Each lane's sums are the same either way; only where a value sits differs, and the other
-// operand (the query, the accumulators) is laid out alike (lanes16).
+// Values i .. i + 15 of a head's row (i a multiple of 16) as two vectors (half16 gives a with high
+// 0, b with high 1): a float row as it is (a: 0-7, b: 8-15); a bf16 row through unpacking with
+// zeros, one shuffle a vector and no shift (a: 0-3 and 8-11, b: 4-7 and 12-15). Each lane's sums
+// are the same either way; only where a value sits differs, and the other operand (the query, the
+// accumulators) is laid out alike (`lanes`).
 inline __m256 half16(const float* r, int64_t i, int high) { return _mm256_loadu_ps(r + i + 8 * high); }
 inline __m256 half16(const BF16* r, int64_t i, int high) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + i)), z = _mm256_setzero_si256();
     return _mm256_castsi256_ps(high ? _mm256_unpackhi_epi16(z, x) : _mm256_unpacklo_epi16(z, x));
 }
-template <typename T>
-inline void load16(const T* r, int64_t i, __m256& a, __m256& b) {
-    a = half16(r, i, 0);
-    b = half16(r, i, 1);
+// Scores and weighted values on 512-bit vectors, a head's values 32 at a time (half32, below),
+// where the build has AVX-512 BW and VL and cpu_kernels.py asks for them (PA_WIDE_VECTORS: on
+// Intel, where they were measured; elsewhere, Zen 4's halved 512-bit units included, the 256-bit
+// code below). Against that code on a 2-vCPU Emerald Rapids Xeon (28 layers' calls, bf16 cache at
+// position 512, one row / four rows of one sequence): 12 query heads over 2 kv heads at D = 128
+// 1.11x / 1.23x faster, 14 over 2 at D = 64 1.14x / 1.15x, 4 over 1 at D = 256 1.16x / 1.24x, 9 over
+// 3 at D = 64 1.10x / 1.11x; decode at 2048 tokens, batch 4, Qwen2.5 1.5B 1.11-1.16x, Gemma 3 270M
+// 1.06-1.10x (docs/benchmarks.md, the eighth Xeon section).
+#if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(PA_WIDE_VECTORS)
+#define PA_ZMM 1
+// Values i .. i + 31 of a head's row (i a multiple of 32) as two vectors: a float row as it is (a:
+// 0-15, b: 16-31); a bf16 row through unpacking with zeros (a: 0-3, 8-11, 16-19, 24-27; b: the
+// other four of each eight), the 512-bit form of half16's order.
+inline __m512 half32(const float* r, int64_t i, int high) { return _mm512_loadu_ps(r + i + 16 * high); }
+inline __m512 half32(const BF16* r, int64_t i, int high) {
+    const __m512i x = _mm512_loadu_si512(reinterpret_cast<const void*>(r + i)), z = _mm512_setzero_si512();
+    return _mm512_castsi512_ps(high ? _mm512_unpackhi_epi16(z, x) : _mm512_unpacklo_epi16(z, x));
 }
-// D values in natural order -> load16's order for T (to: true) or back (false), in place.
+#else
+#define PA_ZMM 0
+#endif
+
+// D values in natural order -> the order the scores and weighted values load T's rows in (half16's,
+// or half32's on 512-bit vectors; to: true) or back (false), in place.
 template <typename T>
-inline void lanes16(float* x, int64_t D, bool /*to*/) {
-    if constexpr (std::is_same_v<T, BF16>)
+inline void lanes(float* x, int64_t D, bool to) {
+    if constexpr (std::is_same_v<T, BF16> && PA_ZMM) {
+        for (int64_t i = 0; i < D; i += 32) {  // value 8k + j (j < 4) at 4k + j, 8k + 4 + j at 16 + 4k + j
+            float v[32];
+            for (int k = 0; k < 4; k++)
+                for (int j = 0; j < 4; j++) {
+                    const int natural = 8 * k + j, loaded = 4 * k + j;
+                    if (to) v[loaded] = x[i + natural], v[16 + loaded] = x[i + natural + 4];
+                    else v[natural] = x[i + loaded], v[natural + 4] = x[i + 16 + loaded];
+                }
+            std::memcpy(x + i, v, sizeof v);
+        }
+    } else if constexpr (std::is_same_v<T, BF16>) {
+        (void)to;
         for (int64_t i = 0; i < D; i += 16)
             for (int j = 4; j < 8; j++) std::swap(x[i + j], x[i + j + 4]);  // its own inverse
-    else
-        (void)x, (void)D;
+    } else {
+        (void)x, (void)D, (void)to;
+    }
 }
 
 // q8_0 rows: 8 int8 values of a block as floats, and a block's scale.
@@ -176,6 +207,39 @@ constexpr bool kWideHeads = false;
 template <int NG>
 constexpr bool kTightGroup = !kWideHeads && NG > 3;
 
+// The vectors the scores and weighted values run on: 8 floats (a head's values 16 at a time,
+// half16's two vectors) or, with PA_ZMM, 16 (32 at a time, half32's); fold: a score's lanes onto
+// the 8 that hsum8x8 and its kin sum (the upper 8 added onto the lower 8).
+#if PA_ZMM
+struct Vec {
+    using F = __m512;
+    static constexpr int kLanes = 16;
+    static F load(const float* p) { return _mm512_loadu_ps(p); }
+    static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+    static F set1(const float* p) { return _mm512_set1_ps(*p); }
+    static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+    static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+    template <typename T>
+    static F half(const T* r, int64_t i, int high) { return half32(r, i, high); }
+    static __m256 fold(F v) {
+        return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    }
+};
+#else
+struct Vec {
+    using F = __m256;
+    static constexpr int kLanes = 8;
+    static F load(const float* p) { return _mm256_loadu_ps(p); }
+    static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+    static F set1(const float* p) { return _mm256_broadcast_ss(p); }
+    static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+    static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+    template <typename T>
+    static F half(const T* r, int64_t i, int high) { return half16(r, i, high); }
+    static __m256 fold(F v) { return v; }
+};
+#endif
+
 // The sums of two vectors' lanes, in hsum8x8's order.
 inline __m128 hsum2x8(const __m256* a) {
     const __m256 h = _mm256_hadd_ps(a[0], a[1]);
@@ -183,7 +247,7 @@ inline __m128 hsum2x8(const __m256* a) {
     return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
-// Scores of NG query heads (q, q + D, ..., in load16's order) over n rows of one kv head's keys,
+// Scores of NG query heads (q, q + D, ..., in `lanes` order) over n rows of one kv head's keys,
 // `stride` elements apart: out[g * out_step + i] = q_g . row i. R rows at a time (kGroupKeys) keep
 // NG * R sums in flight; they are taken P rows a pass (all R where the registers hold NG * R sums,
 // P rows' key vectors and a query vector), and in a pass each query vector is loaded once for its P
@@ -192,8 +256,8 @@ inline __m128 hsum2x8(const __m256* a) {
 // heads over 2 kv heads at D = 128 and 512 keys, a bf16 cache, 28 calls on a 2-vCPU Zen 4 took
 // 0.85-0.87x the time for one row, 0.87-0.90x for four; built for AVX2, three heads and two keys a
 // pass, 0.97-0.99x.) A score is one chain of multiply-adds per lane, in the order of its values,
-// and hsum8x8's lane sum, whatever NG, R and P (a short last group recomputes its first row and
-// drops it).
+// (Vec::fold) and hsum8x8's lane sum, whatever NG, R and P (a short last group recomputes its first
+// row and drops it).
 template <int NG>
 constexpr int kGroupKeys = NG == 1 ? 8 : kTightGroup<NG> ? 2 : 4;
 template <int NG, int R>
@@ -208,19 +272,22 @@ inline void dots_heads(const float* q, const T* rows, int64_t stride, int64_t n,
         const T* r[R];
         for (int j = 0; j < R; j++) r[j] = rows + (i + (j < rn ? j : 0)) * stride;
         for (int j0 = 0; j0 < R; j0 += P) {
+            typename Vec::F w[NG][P];
 #pragma GCC unroll 16
-            for (int c = 0; c < D; c += 16) {
-                for (int half = 0; half < 2; half++) {  // values c .. c + 7, then c + 8 .. c + 15
-                    __m256 k[P];
-                    for (int j = 0; j < P; j++) k[j] = half16(r[j0 + j], c, half);
+            for (int c = 0; c < D; c += 2 * Vec::kLanes) {
+                for (int half = 0; half < 2; half++) {  // the chunk's two vectors (half16's or half32's)
+                    typename Vec::F k[P];
+                    for (int j = 0; j < P; j++) k[j] = Vec::half(r[j0 + j], c, half);
                     for (int g = 0; g < NG; g++) {
-                        __m256 qv = _mm256_loadu_ps(q + g * D + c + 8 * half);
+                        typename Vec::F qv = Vec::load(q + g * D + c + Vec::kLanes * half);
                         asm("" : "+v"(qv));  // in a register: one load for the P products
                         for (int j = 0; j < P; j++)
-                            a[g][j0 + j] = c + half == 0 ? _mm256_mul_ps(qv, k[j]) : _mm256_fmadd_ps(qv, k[j], a[g][j0 + j]);
+                            w[g][j] = c + half == 0 ? Vec::mul(qv, k[j]) : Vec::fma(qv, k[j], w[g][j]);
                     }
                 }
             }
+            for (int g = 0; g < NG; g++)
+                for (int j = 0; j < P; j++) a[g][j0 + j] = Vec::fold(w[g][j]);
         }
         for (int g = 0; g < NG; g++) {
             float* o = out + g * out_step + i;
@@ -240,27 +307,28 @@ inline void dots_heads(const float* q, const T* rows, int64_t stride, int64_t n,
 }
 
 // acc_g[d] += sum_i p_g[i] * row i's value d for NG heads (p_g = p + g * p_step, acc_g = acc + g *
-// acc_step, both in load16's order), over n rows `stride` elements apart: 8 C values at a time, each
-// row's chunk loaded (and widened) once for the NG heads, the sums in registers.
+// acc_step, both in `lanes` order), over n rows `stride` elements apart: C vectors of values at a
+// time, each row's chunk loaded (and widened) once for the NG heads, the sums in registers.
 template <int D, int NG, typename T>
 inline void weighted_heads(const float* p, int64_t p_step, const T* rows, int64_t stride, int64_t n, float* acc,
                            int64_t acc_step) {
-    constexpr int C = kTightGroup<NG> ? 2 : 4;
-    for (int c = 0; c < D; c += 8 * C) {
-        __m256 a[NG][C];
+    // C vectors a pass: fewer where the registers are tight, or where 4 do not divide D (96 on 512 bits)
+    constexpr int C = kTightGroup<NG> || D % (4 * Vec::kLanes) != 0 ? 2 : 4;
+    for (int c = 0; c < D; c += Vec::kLanes * C) {
+        typename Vec::F a[NG][C];
         for (int g = 0; g < NG; g++)
-            for (int j = 0; j < C; j++) a[g][j] = _mm256_loadu_ps(acc + g * acc_step + c + 8 * j);
+            for (int j = 0; j < C; j++) a[g][j] = Vec::load(acc + g * acc_step + c + Vec::kLanes * j);
         for (int64_t i = 0; i < n; i++) {
             const T* r = rows + i * stride;
-            __m256 v[C];
-            for (int j = 0; j < C; j += 2) load16(r, c + 8 * j, v[j], v[j + 1]);
+            typename Vec::F v[C];
+            for (int j = 0; j < C; j += 2) v[j] = Vec::half(r, c + Vec::kLanes * j, 0), v[j + 1] = Vec::half(r, c + Vec::kLanes * j, 1);
             for (int g = 0; g < NG; g++) {
-                const __m256 w = _mm256_broadcast_ss(p + g * p_step + i);
-                for (int j = 0; j < C; j++) a[g][j] = _mm256_fmadd_ps(w, v[j], a[g][j]);
+                const typename Vec::F w = Vec::set1(p + g * p_step + i);
+                for (int j = 0; j < C; j++) a[g][j] = Vec::fma(w, v[j], a[g][j]);
             }
         }
         for (int g = 0; g < NG; g++)
-            for (int j = 0; j < C; j++) _mm256_storeu_ps(acc + g * acc_step + c + 8 * j, a[g][j]);
+            for (int j = 0; j < C; j++) Vec::store(acc + g * acc_step + c + Vec::kLanes * j, a[g][j]);
     }
 }
 
@@ -383,7 +451,7 @@ void attend_part(float* qf, const T* k, const T* v, const int64_t* table, int64_
 #endif
     if constexpr (fast) {
 #if defined(__AVX2__) && defined(__FMA__)
-        for (int64_t h = h0; h < h1; h++) lanes16<T>(qf + h * D, D, true);
+        for (int64_t h = h0; h < h1; h++) lanes<T>(qf + h * D, D, true);
         for_each_run(k, table, t0, t1, bs, row, hk0 * hs, (hk1 - hk0) * hs, [&](int64_t i, const T* rows, int64_t n) {
             if constexpr (std::is_same_v<T, Q8>) {
                 for (int64_t h = h0; h < h1; h++) dots<DF>(qf + h * D, rows + h / G * hs, row, n, s + h * S + i);
@@ -434,7 +502,7 @@ void attend_part(float* qf, const T* k, const T* v, const int64_t* table, int64_
                 weighted_all<DF>(s + i, S, rows + hk0 * hs, row, hs, n, h0, h1, G, hk0, acc);
             }
         });
-        for (int64_t h = h0; h < h1; h++) lanes16<T>(acc + h * D, D, false);
+        for (int64_t h = h0; h < h1; h++) lanes<T>(acc + h * D, D, false);
 #endif
     } else {
         for_each_row(v, table, t0, t1, bs, row, [&](int64_t i, const T* vp) {  // weighted values
