@@ -185,8 +185,8 @@ inline __m128 hsum4x8(const __m256* a) {
 }
 
 // A kv head's query heads go six, four or three at a time (for_head_groups). With 32 vector
-// registers (AVX-512 VL, even for these 256-bit vectors) a group's scores take 4 keys and its
-// weighted values 32 at a time: 6 heads x 4 keys of sums, 4 keys' vectors and a query vector fit
+// registers (AVX-512 VL; 256-bit vectors, or 512-bit ones with PA_ZMM) a group's scores take 4 keys
+// and its weighted values 4 vectors at a time: 6 heads x 4 keys of sums, 4 keys' vectors and a query vector fit
 // them (dots_heads). Against three heads at a time, on a 2-vCPU Zen 4 (bf16 cache, the calls of one
 // layer): 12 query heads over 2 kv heads at D = 128 (Qwen2.5 1.5B) one row at position 513
 // 1.05-1.09x, 4 rows 1.09-1.14x, a 512-row chunk ending at 2048 1.12x; 8 over 2 1.15-1.18x; 14 over
