@@ -96,30 +96,6 @@ inline __m512 half32(const BF16* r, int64_t i, int high) {
 #define PA_ZMM 0
 #endif
 
-// D values in natural order -> the order the scores and weighted values load T's rows in (half16's,
-// or half32's on 512-bit vectors; to: true) or back (false), in place.
-template <typename T>
-inline void lanes(float* x, int64_t D, bool to) {
-    if constexpr (std::is_same_v<T, BF16> && PA_ZMM) {
-        for (int64_t i = 0; i < D; i += 32) {  // value 8k + j (j < 4) at 4k + j, 8k + 4 + j at 16 + 4k + j
-            float v[32];
-            for (int k = 0; k < 4; k++)
-                for (int j = 0; j < 4; j++) {
-                    const int natural = 8 * k + j, loaded = 4 * k + j;
-                    if (to) v[loaded] = x[i + natural], v[16 + loaded] = x[i + natural + 4];
-                    else v[natural] = x[i + loaded], v[natural + 4] = x[i + 16 + loaded];
-                }
-            std::memcpy(x + i, v, sizeof v);
-        }
-    } else if constexpr (std::is_same_v<T, BF16>) {
-        (void)to;
-        for (int64_t i = 0; i < D; i += 16)
-            for (int j = 4; j < 8; j++) std::swap(x[i + j], x[i + j + 4]);  // its own inverse
-    } else {
-        (void)x, (void)D, (void)to;
-    }
-}
-
 // q8_0 rows: 8 int8 values of a block as floats, and a block's scale.
 inline __m256 int8x8(const Q8* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
@@ -239,6 +215,29 @@ struct Vec {
     static __m256 fold(F v) { return v; }
 };
 #endif
+
+// D values in natural order -> the order the scores and weighted values load T's rows in (Vec::half's;
+// to: true) or back (false), in place. A bf16 chunk of 2L values (L = Vec::kLanes) unpacked with zeros
+// puts value 8k + j (j < 4) in lane 4k + j of its first vector and 8k + 4 + j in lane 4k + j of its
+// second; a float row is loaded as it lies.
+template <typename T>
+inline void lanes(float* x, int64_t D, bool to) {
+    if constexpr (std::is_same_v<T, BF16>) {
+        constexpr int L = Vec::kLanes;
+        for (int64_t i = 0; i < D; i += 2 * L) {
+            float v[2 * L];
+            for (int k = 0; k < L / 4; k++)
+                for (int j = 0; j < 4; j++) {
+                    const int natural = 8 * k + j, loaded = 4 * k + j;
+                    if (to) v[loaded] = x[i + natural], v[L + loaded] = x[i + natural + 4];
+                    else v[natural] = x[i + loaded], v[natural + 4] = x[i + L + loaded];
+                }
+            std::memcpy(x + i, v, sizeof v);
+        }
+    } else {
+        (void)x, (void)D, (void)to;
+    }
+}
 
 // The sums of two vectors' lanes, in hsum8x8's order.
 inline __m128 hsum2x8(const __m256* a) {
