@@ -54,6 +54,23 @@ constexpr bool kHardwarePrefetched = (uint64_t(QG_UNPREFETCHED_TYPES) >> T) & 1;
 #define QG_PREFETCH_LOCALITY 3
 #endif
 constexpr int kPrefetchLocality = QG_PREFETCH_LOCALITY;
+// Two-level prefetch of the streams of one repacked group at a time (x86_avx2.h's
+// prefetch_group: the AVX2 and AVX-VNNI tiles), where set (bytes; cpu_kernels.py sets 4096 on
+// Intel): the far lines go into L2 only, and the lines this many bytes ahead into L1. On a
+// 2-vCPU Xeon (Emerald Rapids) the far prefetch into L1 held the core's L1 miss buffers for a
+// memory's latency each, and a thread's stream stalled on them; from L2 the near ones arrive in
+// time. `bench verify` 1 / 4 rows, ms, builds alternating: AVX2 path, Qwen2.5-Coder 1.5B Q4_K_M
+// 38.7-40.8 -> 32.1-32.5 / 49.9-54.1 -> 44.1-44.3, 0.5B 18.0-18.8 -> 15.5-16.3 / 23.7-24.1 ->
+// 22.2-23.6, Gemma 3 270M 9.4-9.6 -> 8.7-8.9 / 12.2-12.9 -> 12.3-12.5; AVX-VNNI, the 1.5B
+// 42.2-42.7 -> 35.4 / 55.3-55.5 -> 48.4-49.4. Near 2, 4 or 8 KiB ran alike; the far lines into
+// L2 without the near ones, or both into L1, gained nothing. The AVX-512 tiles of two groups (one
+// call ahead) took the same: the 1.5B's step ran 3-7% faster, Gemma 3 270M's and the 0.5B's
+// decode 9-13% slower, so they keep one prefetch into L1 (docs/benchmarks.md, the ninth Xeon
+// section).
+#ifndef QG_PREFETCH_NEAR
+#define QG_PREFETCH_NEAR 0
+#endif
+constexpr int64_t kPrefetchNear = QG_PREFETCH_NEAR;
 // Calls of at most this many activation rows take the AVX-512 path's 8-row tiles on 256-bit
 // vectors; larger ones its 16-row tiles on 512-bit vectors (Q6_K: x86_avx512.h's kNarrowRows).
 // cpu_kernels.py sets QG_NARROW_TILE_ROWS=1 on AMD family 25 (Zen 4 runs a 512-bit operation as

@@ -101,15 +101,23 @@ struct GroupRows {
 };
 
 // The `bytes` of a streamed weight from p on, and a line of the thread's side ranges.
+template <int Locality = kPrefetchLocality>
 QG_AVX2 inline void prefetch_lines(const Ctx& c, const uint8_t* p, int bytes) {
-    for (int o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, kPrefetchLocality);
+    for (int o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, Locality);
     if (c.side) c.side->step(1);
 }
-// The next `bytes` of a weight of type T streamed one group at a time, kPrefetchOneGroup bytes
-// ahead (none where kHardwarePrefetched), and a line of the side ranges either way.
+// The next `bytes` of a weight of type T streamed one group at a time from block p on:
+// kPrefetchOneGroup bytes ahead, into L2 with those kPrefetchNear bytes ahead into L1 where that
+// is set (none where kHardwarePrefetched), and a line of the side ranges either way.
 template <int T>
 QG_AVX2 inline void prefetch_group(const Ctx& c, const uint8_t* p, int bytes) {
-    prefetch_lines(c, p + kPrefetchOneGroup, kHardwarePrefetched<T> ? 0 : bytes);
+    if (kHardwarePrefetched<T>) bytes = 0;
+    if constexpr (kPrefetchNear > 0) {
+        for (int o = 0; o < bytes; o += 64) __builtin_prefetch(p + kPrefetchNear + o, 0, 3);
+        prefetch_lines<2>(c, p + kPrefetchOneGroup, bytes);
+    } else {
+        prefetch_lines(c, p + kPrefetchOneGroup, bytes);
+    }
 }
 
 // Vector v of a 4- or 5-bit group block as unsigned bytes: lo holds values 4v..4v+3 of each row,
