@@ -64,8 +64,8 @@ constexpr int kPrefetchLocality = QG_PREFETCH_LOCALITY;
 // 22.2-23.6, Gemma 3 270M 9.4-9.6 -> 8.7-8.9 / 12.2-12.9 -> 12.3-12.5; AVX-VNNI, the 1.5B
 // 42.2-42.7 -> 35.4 / 55.3-55.5 -> 48.4-49.4. Near 2, 4 or 8 KiB ran alike; the far lines into
 // L2 without the near ones, or both into L1, gained nothing. The AVX-512 tiles of two groups (one
-// call ahead) took the same: the 1.5B's step ran 3-7% faster, Gemma 3 270M's and the 0.5B's
-// decode 9-13% slower, so they keep one prefetch into L1 (docs/benchmarks.md, "The same Xeon, a
+// call ahead) took the same: the 1.5B's step ran 3-9% faster, Gemma 3 270M's and the 0.5B's
+// decode 9-26% slower, so they keep one prefetch into L1 (docs/benchmarks.md, "The same Xeon, a
 // ninth session").
 #ifndef QG_PREFETCH_NEAR
 #define QG_PREFETCH_NEAR 0
