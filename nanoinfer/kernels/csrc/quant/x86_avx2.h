@@ -100,10 +100,15 @@ struct GroupRows {
     }
 };
 
-// The `bytes` of a streamed weight from p on, and a line of the thread's side ranges.
+// The `bytes` of a streamed weight from p on, into the cache Locality names.
+template <int Locality = kPrefetchLocality>
+QG_AVX2 inline void prefetch_bytes(const uint8_t* p, int bytes) {
+    for (int o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, Locality);
+}
+// prefetch_bytes, and a line of the thread's side ranges.
 template <int Locality = kPrefetchLocality>
 QG_AVX2 inline void prefetch_lines(const Ctx& c, const uint8_t* p, int bytes) {
-    for (int o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, Locality);
+    prefetch_bytes<Locality>(p, bytes);
     if (c.side) c.side->step(1);
 }
 // The next `bytes` of a weight of type T streamed one group at a time from block p on:
@@ -113,7 +118,7 @@ template <int T>
 QG_AVX2 inline void prefetch_group(const Ctx& c, const uint8_t* p, int bytes) {
     if (kHardwarePrefetched<T>) bytes = 0;
     if constexpr (kPrefetchNear > 0) {
-        for (int o = 0; o < bytes; o += 64) __builtin_prefetch(p + kPrefetchNear + o, 0, 3);
+        prefetch_bytes<3>(p + kPrefetchNear, bytes);
         prefetch_lines<2>(c, p + kPrefetchOneGroup, bytes);
     } else {
         prefetch_lines(c, p + kPrefetchOneGroup, bytes);
