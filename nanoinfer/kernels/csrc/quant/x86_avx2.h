@@ -570,12 +570,20 @@ QG_AVX2 void tile_avx2(const Ctx& c, int64_t n, int64_t m0) {
 // row of 1536: 5 rows F32 224-230 against 242-255, F16 181-184 against 218-220, BF16 184-185
 // against 226-242; 6 rows F16 243-336 against 235-237. At 7 rows one tile gains nothing (Q4_K 118
 // against 4 + 3: 117).
-// The AVX-VNNI tiles (V): a row's sums are one int32 chain (two where R <= 2), so the 32-value
-// types take 6 rows as the 4-bit ones do on AVX2, and the K-quants 4 (a chain, the block's total
-// and the accumulator a row: 12 of the 16 registers).
+// The AVX-VNNI tiles (V): a row's sums are one int32 chain (two where R <= 2). The 32-value types
+// take a whole call of the driver's, 8 rows, in one tile: at 7 and 8 rows a few sums spill, and
+// still one pass over each group beats two (4 + 3, 4 + 4). On a 2-vCPU Xeon (Emerald Rapids,
+// built with -mno-avx512f), one thread, prefetched, cycles per 8 weight rows x 32 values x row,
+// 8 rows against 4 + 4 and 7 against 4 + 3: in L2 Q4_0 6.6 / 7.2-7.3 and 6.4-6.7 / 7.5-7.7, Q4_1
+// 6.5-6.7 / 7.4-7.7 and 6.4 / 7.1, Q5_0 8.8 / 10.2-10.4 and 8.4-8.7 / 11.0-11.3, Q5_1 8.2-8.4 /
+// 9.5-9.9 and 7.0-7.7 / 9.3-10.4, Q8_0 6.1-6.5 / 7.4-7.6 and 6.2-6.3 / 7.0-7.2; streamed (141 MB)
+// 0.62-0.92x the time. The default model's weights on two threads, streamed, builds alternating:
+// at 7 and 8 rows Q4_1 1536 x 576 ran at 1.07-1.15x the rate, the Q8_0 head 1.09-1.20x; its 8-row
+// forward (`bench verify --rows 1,8 --prompt-len 128`) 6.35-6.49 -> 5.88-6.02 ms. The K-quants take
+// 4 (a chain, the block's total and the accumulator a row: 12 of the 16 registers).
 template <int T, bool V>
-constexpr int kTileRowsAvx2 = V && block_values(T) == 256 ? 4
-                              : T == Q5_0 || T == Q5_1 ? (V ? 6 : 4)
+constexpr int kTileRowsAvx2 = V ? (block_values(T) == 256 ? 4 : 8)
+                              : T == Q5_0 || T == Q5_1 ? 4
                               : T == F32 || T == F16 || T == BF16 ? 5 : 6;
 
 // The tiles of rows m0 .. m0 + mt - 1 over outputs n ..: split_rows with tile_avx2.
