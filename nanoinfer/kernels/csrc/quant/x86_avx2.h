@@ -578,7 +578,7 @@ QG_AVX2 void tile_avx2(const Ctx& c, int64_t n, int64_t m0) {
 // 6.5-6.7 / 7.4-7.7 and 6.4 / 7.1, Q5_0 8.8 / 10.2-10.4 and 8.4-8.7 / 11.0-11.3, Q5_1 8.2-8.4 /
 // 9.5-9.9 and 7.0-7.7 / 9.3-10.4, Q8_0 6.1-6.5 / 7.4-7.6 and 6.2-6.3 / 7.0-7.2; streamed (141 MB)
 // 0.62-0.92x the time. The default model's weights on two threads, streamed, builds alternating:
-// at 7 and 8 rows Q4_1 1536 x 576 ran at 1.07-1.15x the rate, the Q8_0 head 1.09-1.20x; its 8-row
+// at 7 and 8 rows Q4_1 1536 x 576 ran at 1.08-1.15x the rate, the Q8_0 head 1.09-1.20x; its 8-row
 // forward (`bench verify --rows 1,8 --prompt-len 128`) 6.35-6.49 -> 5.88-6.02 ms. The K-quants take
 // 4 (a chain, the block's total and the accumulator a row: 12 of the 16 registers).
 template <int T, bool V>
