@@ -576,7 +576,7 @@ QG_AVX2 void tile_avx2(const Ctx& c, int64_t n, int64_t m0) {
 // pass over each group beats two (4 + 1 .. 4 + 4), which decode the group's scales and weights
 // twice. On a 2-vCPU Xeon (Emerald Rapids, built with -mno-avx512f), one thread, prefetched, cycles
 // per 8 weight rows x 256 values x row, one tile against two passes, in L2 (512 rows of 1536) /
-// streamed (65536): Q4_K 5 rows 58-60 / 61 against 74 / 78 (4 + 1), 6 rows 57-58 / 60-61 against 68 /
+// streamed (65536): Q4_K 5 rows 58-60 / 60-61 against 74 / 59-78 (4 + 1), 6 rows 57-58 / 60-61 against 68 /
 // 71-72, 7 rows 56-59 / 56-58 against 64 / 65-67, 8 rows 55 / 48-56 against 63-64 / 64-66; Q5_K 5 rows
 // 72-74 / 66-78 against 101-105 / 105-107, 8 rows 62-64 / 63-67 against 81 / 84; Q6_K 6 rows 70-71 /
 // 77-79 against 91-92 / 99-106, 8 rows 71-72 / 62-80 against 79-81 / 70-92. The 32-value types,
