@@ -424,19 +424,31 @@ QG_AVX512 void group_avx512(const Ctx& c, int64_t n, int64_t m0) {
     else groupk_avx512<T, R, PF, G>(c, n, m0);
 }
 
-// Which K-quant tiles take 5 and 6 rows in one tile of two chains a row (6 rows: 24 registers
-// of sums and accumulators): those on 512-bit vectors that kTallTile leaves, Q5_K's and Q6_K's.
-// One thread, weights in L2, ns per 8 weight rows x 256 values on a Zen 4, 5 rows against 4 + 1:
-// Q5_K 66 / 90, Q6_K 99-100 / 112; 6 rows against 4 + 2: Q5_K 78-79 / 97-98, Q6_K 112-113 / 123.
-// On 256-bit vectors Q6_K's ran slower that way (5 rows 101-103 against 96-98).
+// Which K-quant tiles take more than 4 rows in one tile of two chains a row: those on 512-bit
+// vectors that kTallTile leaves, Q5_K's and Q6_K's; up to kWideTileRows (6 rows: 24 registers of
+// sums and accumulators). One thread, weights in L2, ns per 8 weight rows x 256 values on a Zen 4,
+// 5 rows against 4 + 1: Q5_K 66 / 90, Q6_K 99-100 / 112; 6 rows against 4 + 2: Q5_K 78-79 / 97-98,
+// Q6_K 112-113 / 123 (one pass of 8 rows against 4 + 4, Q5_K: 115.5 / 120). On 256-bit vectors
+// Q6_K's ran slower that way (5 rows 101-103 against 96-98).
 template <int T, int G>
-constexpr bool kSixRowTile = block_values(T) == 256 && G == 2 && !kTallTile<T, G>;
+constexpr bool kWideTile = block_values(T) == 256 && G == 2 && !kTallTile<T, G>;
+// cpu_kernels.py sets QG_WIDE_TILE_ROWS=8 on Intel, where one pass of 7 or 8 rows beats two even
+// though sums spill: a 2-vCPU Xeon (Emerald Rapids), one thread, prefetched, cycles per 8 weight
+// rows x 256 values x row, in L2 (512 rows of 1536) / streamed (65536), against 4 + 4 and 4 + 3:
+// Q6_K 8 rows 47-48 / 54 against 55 / 65, 7 rows 48-50 / 56-70 against 59 / 67-71; Q5_K 8 rows 40-41
+// / 44-46 against 51-52 / 54-55, 7 rows 41 / 49-51 against 52-54 / 58-67. (6 rows in one tile there:
+// Q6_K 51-53 / 60, Q5_K 43-46 / 50-52.)
+#ifndef QG_WIDE_TILE_ROWS
+#define QG_WIDE_TILE_ROWS 6
+#endif
+constexpr int kWideTileRows = QG_WIDE_TILE_ROWS;
+static_assert(kWideTileRows >= 4 && kWideTileRows <= kTileRows, "QG_WIDE_TILE_ROWS: 4 to 8 rows a tile");
 
 // The most rows one tile takes: the 32-value types' 8 (32 registers: 8 sums, 8 accumulators, the
 // weights); the K-quants' keep two chains of sums a row and take 4, but kTallTile's take 5 to 8 in
-// one pass and kSixRowTile's 5 and 6.
+// one pass and kWideTile's up to kWideTileRows.
 template <int T, int G>
-constexpr int kTileRowsAvx512 = block_values(T) == 32 || kTallTile<T, G> ? 8 : kSixRowTile<T, G> ? 6 : 4;
+constexpr int kTileRowsAvx512 = block_values(T) == 32 || kTallTile<T, G> ? 8 : kWideTile<T, G> ? kWideTileRows : 4;
 
 // The tiles of rows m0 .. m0 + mt - 1 over G groups from output n on: split_rows with group_avx512.
 template <int T, bool PF, int G>
