@@ -571,23 +571,24 @@ QG_AVX2 void tile_avx2(const Ctx& c, int64_t n, int64_t m0) {
 // against 226-242; 6 rows F16 243-336 against 235-237. At 7 rows one tile gains nothing (Q4_K 118
 // against 4 + 3: 117).
 // The AVX-VNNI tiles (V): a row's sums are one int32 chain (two where R <= 2), and every block type
-// takes a whole call of the driver's, 8 rows, in one tile: from 5 rows (the K-quants: a chain, the
-// block's total and the accumulator a row) or 7 (the 32-value types) some sums spill, and still one
-// pass over each group beats two (4 + 1 .. 4 + 4), which decode the group's scales and weights
-// twice. On a 2-vCPU Xeon (Emerald Rapids, built with -mno-avx512f), one thread, prefetched, cycles
-// per 8 weight rows x 256 values x row, one tile against two passes, in L2 (512 rows of 1536) /
-// streamed (65536): Q4_K 5 rows 58-60 / 60-61 against 74 / 59-78 (4 + 1), 6 rows 57-58 / 60-61 against 68 /
-// 71-72, 7 rows 56-59 / 56-58 against 64 / 65-67, 8 rows 55 / 48-56 against 63-64 / 64-66; Q5_K 5 rows
-// 72-74 / 66-78 against 101-105 / 105-107, 8 rows 62-64 / 63-67 against 81 / 84; Q6_K 6 rows 70-71 /
-// 77-79 against 91-92 / 99-106, 8 rows 71-72 / 62-80 against 79-81 / 70-92. The 32-value types,
-// per 8 weight rows x 32 values x row, 8 rows against 4 + 4 and 7 against 4 + 3: in L2 Q4_0 6.6 /
-// 7.2-7.3 and 6.4-6.7 / 7.5-7.7, Q4_1 6.5-6.7 / 7.4-7.7 and 6.4 / 7.1, Q5_0 8.8 / 10.2-10.4 and
-// 8.4-8.7 / 11.0-11.3, Q5_1 8.2-8.4 / 9.5-9.9 and 7.0-7.7 / 9.3-10.4, Q8_0 6.1-6.5 / 7.4-7.6 and
-// 6.2-6.3 / 7.0-7.2; streamed (141 MB) 0.62-0.92x the time. The default model's weights on two threads, streamed, builds alternating:
-// at 7 and 8 rows Q4_1 1536 x 576 ran at 1.08-1.15x the rate, the Q8_0 head 1.09-1.20x; its 8-row
-// forward (`bench verify --rows 1,8 --prompt-len 128`) 6.35-6.49 -> 5.88-6.02 ms.
+// takes a whole call of the driver's, kTileRows (8), in one tile: from 5 rows (the K-quants: a
+// chain, the block's total and the accumulator a row) or 7 (the 32-value types) some sums spill,
+// and still one pass over each group beats two (4 + 1 .. 4 + 4), which decode the group's scales
+// and weights twice. On a 2-vCPU Xeon (Emerald Rapids, built with -mno-avx512f), one thread,
+// prefetched, cycles per 8 weight rows x 256 values x row, one tile against two passes, in L2 (512
+// rows of 1536) / streamed (65536): Q4_K 5 rows 58-60 / 60-61 against 74 / 59-78 (4 + 1), 6 rows
+// 57-58 / 60-61 against 68 / 71-72, 7 rows 56-59 / 56-58 against 64 / 65-67, 8 rows 55 / 48-56
+// against 63-64 / 64-66; Q5_K 5 rows 72-74 / 66-78 against 101-105 / 105-107, 8 rows 62-64 / 63-67
+// against 81 / 84; Q6_K 6 rows 70-71 / 77-79 against 91-92 / 99-106, 8 rows 71-72 / 62-80 against
+// 79-81 / 70-92. The 32-value types, per 8 weight rows x 32 values x row, 8 rows against 4 + 4 and
+// 7 against 4 + 3: in L2 Q4_0 6.6 / 7.2-7.3 and 6.4-6.7 / 7.5-7.7, Q4_1 6.5-6.7 / 7.4-7.7 and 6.4 /
+// 7.1, Q5_0 8.8 / 10.2-10.4 and 8.4-8.7 / 11.0-11.3, Q5_1 8.2-8.4 / 9.5-9.9 and 7.0-7.7 / 9.3-10.4,
+// Q8_0 6.1-6.5 / 7.4-7.6 and 6.2-6.3 / 7.0-7.2; streamed (141 MB) 0.62-0.92x the time. The default
+// model's weights on two threads, streamed, builds alternating: at 7 and 8 rows Q4_1 1536 x 576 ran
+// at 1.08-1.15x the rate, the Q8_0 head 1.09-1.20x; its 8-row forward (`bench verify --rows 1,8
+// --prompt-len 128`) 6.35-6.49 -> 5.88-6.02 ms.
 template <int T, bool V>
-constexpr int kTileRowsAvx2 = V ? 8
+constexpr int kTileRowsAvx2 = V ? kTileRows
                               : T == Q5_0 || T == Q5_1 ? 4
                               : T == F32 || T == F16 || T == BF16 ? 5 : 6;
 
