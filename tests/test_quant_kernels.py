@@ -282,6 +282,81 @@ def test_paths_agree_bit_for_bit_at_the_integer_extremes(qtype):
             assert torch.equal(bits(got), bits(ys)), (p, 33, r, fill)
 
 
+def hostile_activations(K: int, B: int, denormal: bool = False) -> torch.Tensor:
+    """Rows of K values in blocks of B where quantising them is easiest to get wrong: ties (x * id
+    exactly k + 0.5: max|x| = 127 * 2^e makes id = 2^-e), zeros of both signs, values near the top
+    of fp32 and near the bottom of its normal range, one outlier over tiny values; with
+    `denormal`, blocks whose max|x| is so small that 127 / max|x| overflows to infinity."""
+    g = torch.Generator().manual_seed(21)
+    rows = [torch.randn(K, generator=g)]
+    for e in (0, -3, 5):  # ties, scaled exactly
+        t = (torch.randint(-127, 127, (K,), generator=g).float() + 0.5) * 2.0 ** e
+        t.view(-1, B)[:, 3] = -127 * 2.0 ** e
+        rows.append(t)
+    rows += [torch.zeros(K), torch.full((K,), -0.0)]
+    mixed = torch.randn(K, generator=g)
+    mixed.view(-1, B)[::2] = 0  # whole blocks of zeros between others
+    rows.append(mixed)
+    rows.append(torch.randn(K, generator=g) * 1e36)  # near fp32's largest (Q4_1's d * sum(q) stays finite)
+    rows.append(torch.randn(K, generator=g) * 1e-36)  # 127 / max|x| just below fp32's largest
+    outlier = torch.randn(K, generator=g) * 1e-6
+    outlier[::B] = 1e4
+    rows.append(outlier)
+    if denormal:
+        t = torch.randn(K, generator=g) * 1e-38
+        t.view(-1, B)[1::2] *= 1e-3  # subnormal values only
+        rows.append(t)
+    return torch.stack(rows).contiguous()
+
+
+def identity_weight(qtype: int, K: int) -> torch.Tensor:
+    """W = I [K, K] in qtype's blocks (Q8_0, Q4_0, Q4_1), every weight exactly 0 or 1 with the
+    scale 1: y = x W^T is each activation as the kernels quantise it, d_x * q rounded once to fp32."""
+    bs, ts = gguf.GGML_QUANT_SIZES[qtype]
+    raw = np.zeros((K, K // bs, ts), np.uint8)
+    one = np.array([1.0], np.float16).view(np.uint8)
+    for n in range(K):
+        block, v = raw[n, n // bs], n % bs
+        block[0:2] = one
+        if qtype == T.Q8_0:
+            block[2 + v] = 1
+        elif qtype == T.Q4_0:  # value = nibble - 8; value v's nibble: byte v % 16, low half for v < 16
+            block[2:] = 0x88
+            block[2 + v % 16] = (block[2 + v % 16] & 0xF0) | 9 if v < 16 else (block[2 + v % 16] & 0x0F) | 0x90
+        else:  # Q4_1: d * nibble + m, m = 0
+            block[4 + v % 16] |= 1 if v < 16 else 0x10
+    w = raw.reshape(K, -1)
+    assert (dequantize(w, qtype) == np.eye(K)).all()
+    return torch.from_numpy(w)
+
+
+@pytest.mark.parametrize("qtype", (T.Q8_0, T.Q4_0, T.Q4_1), ids=lambda t: T(t).name)
+def test_activations_are_quantised_as_defined(qtype):
+    """Through W = I, every path and layout shows its activation quantisation (the portable
+    path's quantize_row, the SIMD paths' own) value by value: exactly quantize_x's, on values
+    where it is easiest to get wrong."""
+    K = 352
+    w = identity_weight(qtype, K)
+    x = hostile_activations(K, 32)
+    want = quantize_x(x, qtype)[0].float()
+    for p, r, got in on_every_path(x, [(w, False), (layout(w, qtype, K, True), True)], qtype):
+        assert torch.equal(got, want), (p, r)
+
+
+@pytest.mark.parametrize("qtype", [t for t in TYPES if t not in FLOATS], ids=lambda t: T(t).name)
+def test_paths_agree_bit_for_bit_on_hostile_activations(qtype):
+    """hostile_activations, subnormal blocks included, against random weights: every path and
+    layout gives the portable kernel's bits."""
+    N, K = shape(qtype, 24)
+    w = torch.from_numpy(make_weights(qtype, N, K, seed=8))
+    x = hostile_activations(K, 256 if qtype in K_QUANTS else 32, denormal=True)
+    layouts = [(w, False)] + ([(layout(w, qtype, K, True), True)] if qtype in REPACKABLE else [])
+    outs = on_every_path(x, layouts, qtype)
+    want = next(y for p, r, y in outs if p == "portable" and not r)
+    for p, r, got in outs:
+        assert torch.equal(bits(got), bits(want)), (p, r)
+
+
 @pytest.mark.parametrize("qtype", (T.Q4_K, T.Q5_K), ids=lambda t: T(t).name)
 def test_amx_calls_of_many_rows(qtype):
     """More rows than one AMX call takes (the driver hands a group kAmxCallRows, 512, at a time):

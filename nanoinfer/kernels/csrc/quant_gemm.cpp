@@ -253,21 +253,39 @@ void point_acts(Ctx& c, int qtype, int64_t M, void* acts, int64_t m0) {
     c.qo = a.with_q6 ? reinterpret_cast<const int32_t*>(p + a.nq + a.nd + a.nbs + a.npo) + m0 * c.nb * kSums16 : nullptr;
 }
 
-// x's M rows quantised into `acts` as qtype's activation format, the rows split among the team.
-void quantise_team(int qtype, const float* x, int64_t M, int64_t K, void* acts) {
+// x's M rows quantised into `acts` as qtype's activation format, the rows split among the team:
+// by quantize_row on the portable path, by the AVX2 path's own quantisation (the same bits) on
+// the SIMD paths, which all build on AVX2.
+void quantise_team(int qtype, int path, const float* x, int64_t M, int64_t K, void* acts) {
     const ActsFormat f = acts_of(qtype);
     if (f == ActsFormat::f32) return;
     Ctx c{};
-    c.K = K, c.nb = K / block_values(qtype);
+    const int64_t B = block_values(qtype);
+    c.K = K, c.nb = K / B;
     point_acts(c, qtype, M, acts, 0);
 #pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; m++)
-        quantize_row(x + m * K, K, block_values(qtype), const_cast<int8_t*>(c.q) + m * K, const_cast<float*>(c.d) + m * c.nb,
-                     c.s ? const_cast<float*>(c.s) + m * c.nb : nullptr,
-                     c.xsum ? const_cast<int32_t*>(c.xsum) + m * c.nb : nullptr,
-                     c.bs ? const_cast<int16_t*>(c.bs) + m * c.nb * kSums32 : nullptr,
-                     c.po ? const_cast<int16_t*>(c.po) + m * c.nb * kPairs16 : nullptr,
-                     c.qo ? const_cast<int32_t*>(c.qo) + m * c.nb * kSums16 : nullptr);
+    for (int64_t m = 0; m < M; m++) {
+        const float* xr = x + m * K;
+        int8_t* q = const_cast<int8_t*>(c.q) + m * K;
+        float* d = const_cast<float*>(c.d) + m * c.nb;
+        float* s = c.s ? const_cast<float*>(c.s) + m * c.nb : nullptr;
+        int32_t* xsum = c.xsum ? const_cast<int32_t*>(c.xsum) + m * c.nb : nullptr;
+        int16_t* bs = c.bs ? const_cast<int16_t*>(c.bs) + m * c.nb * kSums32 : nullptr;
+        int16_t* po = c.po ? const_cast<int16_t*>(c.po) + m * c.nb * kPairs16 : nullptr;
+        int32_t* qo = c.qo ? const_cast<int32_t*>(c.qo) + m * c.nb * kSums16 : nullptr;
+#if defined(QG_X86)
+        if (path != PATH_PORTABLE && B == 32) {
+            quantize_row_avx2<32>(xr, K, q, d, s, xsum, bs, po, qo);
+            continue;
+        }
+        if (path != PATH_PORTABLE && B == 256) {
+            quantize_row_avx2<256>(xr, K, q, d, s, xsum, bs, po, qo);
+            continue;
+        }
+#endif
+        (void)path;
+        quantize_row(xr, K, B, q, d, s, xsum, bs, po, qo);
+    }
 }
 
 // The checks every linear makes, the same on every thread (they depend on the arguments only);
@@ -338,7 +356,7 @@ __attribute__((noinline)) int quant_linear_team(int qtype, int path, const float
     if (M <= 0 || N <= 0) return 0;
     Ctx c = linear_ctx(qtype, path, x, M, K, w, N, repacked, bias, y, ldy);
     if (acts_of(qtype) != ActsFormat::f32) {
-        if (quantise) quantise_team(qtype, x, M, K, acts);
+        if (quantise) quantise_team(qtype, path, x, M, K, acts);
         point_acts(c, qtype, M, acts, 0);
     }
     drive(c, fn);
@@ -353,7 +371,7 @@ __attribute__((noinline)) int quant_linear_grouped_team(int qtype, int path, con
     const RowsFn fn = pick(qtype, path);
     const int64_t M = G > 0 ? start[G] : 0;
     if (M <= 0 || N <= 0) return 0;
-    if (quantise) quantise_team(qtype, x, M, K, acts);
+    if (quantise) quantise_team(qtype, path, x, M, K, acts);
     const int64_t chunks = chunks_of(N);
 #pragma omp for schedule(static)
     for (int64_t u = 0; u < G * chunks; u++) {
