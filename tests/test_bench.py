@@ -328,6 +328,22 @@ def test_bench_latency_interleaved(make_hf_model, capsys, monkeypatch):
     assert f"TPOT against batch 1: batch 3 {ratio:.2f}x" in out
 
 
+def test_bench_latency_cold_cache(make_hf_model, capsys, monkeypatch):
+    """--cold-cache reads its tensor before every timed step, the prefill and each decode step."""
+    from nanoinfer.bench import latency
+
+    _, path = make_hf_model("llama")
+    monkeypatch.setattr(latency, "cpu_probe_bytes", lambda llc: 1 << 20)  # not the real size in a test
+    reads = []
+    real_evict = latency.ColdCache.evict
+    monkeypatch.setattr(latency.ColdCache, "evict", lambda self: (reads.append(self.buf.numel()), real_evict(self)))
+    doc, out = run_bench(capsys, ["latency", "--model", str(path), "--prompt-len", "8", "--decode-len", "4",
+                                  "--batch-sizes", "1,3", "--cold-cache", *PEAKS])
+    assert doc["cold_cache_bytes"] == 1 << 20 and reads == [(1 << 20) // 4] * 8  # 2 batch sizes x (1 + 3 steps)
+    assert "cold cache: 1.0 MiB read before each timed step" in out
+    assert [r["decode_steps"] for r in doc["results"]] == [3, 3]
+
+
 def test_bench_throughput_against_transformers(make_hf_model, tmp_path, capsys):
     _, path = make_hf_model("llama")
     png = tmp_path / "throughput.png"
@@ -494,6 +510,7 @@ def test_bench_linears_needs_block_weights(make_hf_model, capsys):
     (["latency", "--batch-sizes", "0"], ">= 1"),
     (["latency", "--decode-len", "1"], "--decode-len"),
     (["latency", "--batch-sizes", "4", "--interleave"], "--interleave"),
+    (["latency", "--cold-cache", "--compare", "llama.cpp"], "--cold-cache"),
     (["linears", "--rows", "1,0"], "--rows"),
     (["linears", "--runs", "0"], "--runs"),
     (["throughput", "--min-input-len", "9", "--max-input-len", "3"], "min <= max"),

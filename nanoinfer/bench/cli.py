@@ -85,6 +85,10 @@ def _add_commands(sub) -> None:
                           "TPOT is timed over the same stretch (ratios between batch sizes on a machine whose "
                           "speed drifts; each step then follows another batch size's, so a model that nearly "
                           "fits the last-level cache runs slower than alone); peak mem is then the whole run's")
+    lat.add_argument("--cold-cache", action="store_true",
+                     help="read a tensor far larger than the last-level cache before each timed step (untimed), "
+                          "so the weights come from memory: a CPU whose cache is much smaller than the model "
+                          "(a model that fits the cache streams from it at batch 1, far faster)")
     lat.add_argument("--compare", default=None, choices=["llama.cpp"],
                      help="then batch 1 against llama.cpp on the same GGUF file, threads, prompt and lengths, "
                           "run in a subprocess of --llama-cpp-python")

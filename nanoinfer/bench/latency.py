@@ -6,7 +6,9 @@ step is timed: TPOT is the median step (robust to a stray slow step on a shared
 machine), decode tok/s is B / TPOT. MBU and MFU compare the step with what the
 hardware could do at the middle of the decode (context P + D/2). The batch sizes run one
 after another, or with `--interleave` side by side: all prefilled, then one decode step of
-each in turn, for ratios between them that a drifting machine cannot skew.
+each in turn, for ratios between them that a drifting machine cannot skew. `--cold-cache` reads
+a tensor far larger than the last-level cache before each timed step, so that the weights come
+from memory even where the model would fit the cache.
 
 `--compare llama.cpp` then measures batch 1 against llama.cpp on the same GGUF file, same
 prompt ids, decode length and threads, for `--runs` rounds that alternate which engine goes
@@ -51,7 +53,7 @@ from .common import (
     sync,
 )
 from .llama_cpp import ENGINE, check_python, resolve_python, run_llama_cpp
-from .peaks import cpu_model
+from .peaks import cpu_model, cpu_probe_bytes, last_level_cache_bytes
 
 
 def print_card(env: BenchEnv, card: dict) -> None:
@@ -83,15 +85,34 @@ def batch_prompts(env: BenchEnv, batch: int, prompt_len: int, seed: int) -> list
 
 
 @dataclass
+class ColdCache:
+    """`--cold-cache`: a tensor far larger than the last-level cache (the bandwidth probe's size),
+    read before each timed step, so that every step finds the weights in memory and not in a
+    cache, as on a CPU whose last-level cache is much smaller than the model. Where the model fits
+    the cache (SmolLM2-135M's 96 MB in a Xeon's 300 MiB L3) batch 1 streams it from there, far
+    faster than from memory, while larger batches are bound by their arithmetic. Not timed."""
+    buf: torch.Tensor
+
+    @classmethod
+    def for_this_cpu(cls) -> ColdCache:
+        return cls(torch.ones(cpu_probe_bytes(last_level_cache_bytes()) // 4))
+
+    def evict(self) -> None:
+        self.buf.sum()
+
+
+@dataclass
 class BatchRun:
     """One batch size's engine, once its prompts are prefilled, and its decode steps' times."""
     batch: int
     engine: LLMEngine
     ttft: float
     steps: list[float] = field(default_factory=list)
+    cold: ColdCache | None = None
 
 
-def start_batch(env: BenchEnv, batch: int, prompt_len: int, decode_len: int, seed: int) -> BatchRun:
+def start_batch(env: BenchEnv, batch: int, prompt_len: int, decode_len: int, seed: int,
+                cold: ColdCache | None = None) -> BatchRun:
     """`batch` prompts prefilled in one step (its time: the TTFT)."""
     rl = env.roofline
     total = prompt_len + decode_len
@@ -103,6 +124,8 @@ def start_batch(env: BenchEnv, batch: int, prompt_len: int, decode_len: int, see
     for i, prompt in enumerate(batch_prompts(env, batch, prompt_len, seed)):
         engine.add_request(str(i), prompt, params)
     progress(f"batch {batch}: prefill {batch} x {prompt_len} tokens ...")
+    if cold:
+        cold.evict()
     sync(env.device)
     t0 = time.perf_counter()
     engine.step()
@@ -110,10 +133,12 @@ def start_batch(env: BenchEnv, batch: int, prompt_len: int, decode_len: int, see
     ttft = time.perf_counter() - t0
     if engine.last_step_tokens != batch * prompt_len:
         raise NanoinferError(f"batch {batch}: the prefill took more than one step (KV pool or budget too small)")
-    return BatchRun(batch, engine, ttft)
+    return BatchRun(batch, engine, ttft, cold=cold)
 
 
 def decode_step(env: BenchEnv, run: BatchRun, decode_len: int) -> None:
+    if run.cold:
+        run.cold.evict()
     t0 = time.perf_counter()
     run.engine.step()
     sync(env.device)
@@ -121,17 +146,19 @@ def decode_step(env: BenchEnv, run: BatchRun, decode_len: int) -> None:
     progress(f"batch {run.batch}: decode step {len(run.steps)}/{decode_len - 1}", throttle=True)
 
 
-def run_batch(env: BenchEnv, batch: int, prompt_len: int, decode_len: int, seed: int) -> dict:
+def run_batch(env: BenchEnv, batch: int, prompt_len: int, decode_len: int, seed: int,
+              cold: ColdCache | None = None) -> dict:
     """Prefill `batch` prompts in one step, then decode to the end; times in seconds."""
     reset_peak_memory(env.device)
-    run = start_batch(env, batch, prompt_len, decode_len, seed)
+    run = start_batch(env, batch, prompt_len, decode_len, seed, cold)
     while run.engine.has_unfinished():
         decode_step(env, run, decode_len)
     progress_done()
     return batch_result(env, run, prompt_len, decode_len, peak_memory_bytes(env.device))
 
 
-def run_interleaved(env: BenchEnv, batches: list[int], prompt_len: int, decode_len: int, seed: int) -> list[dict]:
+def run_interleaved(env: BenchEnv, batches: list[int], prompt_len: int, decode_len: int, seed: int,
+                    cold: ColdCache | None = None) -> list[dict]:
     """Every batch size prefilled, then one decode step of each in turn (the order reversed each
     round), so that every TPOT is timed over the same stretch: on a machine whose speed drifts
     (a shared host's memory, say) the ratios between batch sizes hold, where runs one after
@@ -141,7 +168,7 @@ def run_interleaved(env: BenchEnv, batches: list[int], prompt_len: int, decode_l
     L3: batch 1 at 6.7-7.2 ms a step, 4.8-5.6 alone), so it is for ratios on models well past
     the cache. Peak memory is then the whole run's."""
     reset_peak_memory(env.device)
-    runs = [start_batch(env, b, prompt_len, decode_len, seed) for b in batches]
+    runs = [start_batch(env, b, prompt_len, decode_len, seed, cold) for b in batches]
     round_ = 0
     while any(r.engine.has_unfinished() for r in runs):
         for run in runs if round_ % 2 == 0 else runs[::-1]:
@@ -332,6 +359,9 @@ def run(args: argparse.Namespace) -> int:
     if interleave and (len(batch_sizes) < 2 or getattr(args, "speculative", None)):
         raise NanoinferError("--interleave takes turns between several --batch-sizes: give two or more "
                              "(and no --speculative)")
+    cold_cache = getattr(args, "cold_cache", False)
+    if cold_cache and (gpu or compare or getattr(args, "speculative", None)):
+        raise NanoinferError("--cold-cache goes with the CPU's batch sweep (no --compare, --speculative or GPU)")
     plot = plot_path(args)
     runs = getattr(args, "runs", 3)
     if compare:
@@ -362,12 +392,16 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "speculative_config", None) is not None:
         raise NanoinferError("--speculative-config on bench latency goes with --speculative METHOD")
     warm_up(env)
+    cold = ColdCache.for_this_cpu() if cold_cache else None
     if interleave:
-        results = run_interleaved(env, batch_sizes, prompt_len, decode_len, args.seed)
+        results = run_interleaved(env, batch_sizes, prompt_len, decode_len, args.seed, cold)
     else:
-        results = [run_batch(env, b, prompt_len, decode_len, args.seed) for b in batch_sizes]
+        results = [run_batch(env, b, prompt_len, decode_len, args.seed, cold) for b in batch_sizes]
     print(f"prompt {prompt_len} tokens, decode {decode_len} tokens; TPOT = median decode step; "
           f"MBU/MFU at context {mid}")
+    if cold:
+        print(f"cold cache: {fmt_bytes(cold.buf.numel() * 4)} read before each timed step (untimed), so the "
+              f"weights come from memory, not the {fmt_bytes(last_level_cache_bytes())} last-level cache")
     rows = [[str(r["batch_size"]), f"{r['ttft_s'] * 1e3:.1f}", f"{r['prefill_tok_s']:.1f}", fmt_pct(r["prefill_mfu"]),
              f"{r['tpot_s'] * 1e3:.2f}", f"{r['decode_tok_s']:.1f}", fmt_pct(r["mbu"]), fmt_pct(r["mfu"]),
              fmt_bytes(r["peak_memory_bytes"])] for r in results]
@@ -386,7 +420,7 @@ def run(args: argparse.Namespace) -> int:
                       title=f"{env.loaded.path.name}, {env.dtype}, {env.peaks.device_name}")
         print(f"roofline plot: {plot}")
     doc = {**run_meta(env, "latency"), "card": card, "results": results, "plot": plot,
-           "interleaved": bool(interleave)}
+           "interleaved": bool(interleave), "cold_cache_bytes": cold.buf.numel() * 4 if cold else 0}
     if comparisons:
         doc["compare"] = comparisons[0]
     if len(comparisons) > 1:
