@@ -77,8 +77,15 @@ constexpr int64_t kPrefetchNear = QG_PREFETCH_NEAR;
 // two 256-bit halves): streamed one thread on a 2-vCPU Zen 4 (a 256 MiB weight of K = 1536), ns
 // per 8 weight rows x 256 at 1 row, 8-row tiles against 16-row ones: Q4_K 51 / 55-56, Q5_K
 // 67 / 66-69, Q6_K 73-77 / 83-101; Q4_1 (x 32) 7.2-7.5 / 7.9-8.0. From 2 rows the 16-row tiles
-// ran faster (Q4_K at 4 rows 81 / 55, Q4_1 11.5 / 8.3). The same integers and float operations
-// per lane either way: the same bits.
+// ran faster (Q4_K at 4 rows 81 / 55, Q4_1 11.5 / 8.3). It sets 1 on Intel too, where the 8-row
+// tiles' one group at a time takes the two-distance prefetch (kPrefetchNear) that the 16-row
+// tiles' two groups lost by (docs/benchmarks.md, "The same Xeon, a ninth session"): on a 2-vCPU
+// Xeon (Emerald Rapids) the 1-row forward, both builds loaded in one process, alternating, ms:
+// Qwen2.5-Coder 1.5B Q4_K_M 35.8 -> 32.3, 0.5B 15.8 -> 15.5, Gemma 3 270M Q4_K_M 9.7 -> 9.2;
+// SmolLM2-135M Q4_1, whose 94 MB the 300 MiB L3 holds, 3.49 -> 3.56 (with the L3 flushed before
+// each forward, 4.92 -> 4.87). From 2 rows the 16-row tiles ran as fast or faster there too
+// (SmolLM2 Q4_1 at 4 rows 5.0 against 5.8). The same integers and float operations per lane
+// either way: the same bits.
 #ifndef QG_NARROW_TILE_ROWS
 #define QG_NARROW_TILE_ROWS 0
 #endif
