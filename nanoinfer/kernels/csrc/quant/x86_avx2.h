@@ -656,9 +656,10 @@ QG_AVX2 __attribute__((noinline)) int64_t dot_peak_avx2(int64_t reps) {
 // clamped to +-127 by minps and maxps in std::min's and std::max's operand order, so a NaN
 // becomes 127 as there; rounded by vcvtps2dq in the current rounding mode, as nearbyint is:
 // rounding and clamping commute within +-127). The sums of q are exact integers in any order.
-// The same bits as quantize_row for every input, NaN and infinities included (the kernel tests
-// compare the two); 2-2.6x its speed on a Xeon (Emerald Rapids), 0.8-1.0 cycles a value against
-// 1.3-2.6 (one thread, K = 1536).
+// The same bits as quantize_row for every input: the kernel tests compare the two on ties, zeros,
+// subnormal blocks and values near fp32's largest, and a harness did on NaN and infinities too;
+// 1.4-2.8x its speed on a Xeon (Emerald Rapids), 0.6-1.0 cycles a value against
+// 1.0-2.6 (one thread, K = 1536; the K-quants' formats gain least).
 template <int B>
 QG_AVX2 void quantize_row_avx2(const float* x, int64_t K, int8_t* q, float* d, float* s, int32_t* xsum, int16_t* bs,
                                int16_t* po, int32_t* qo) {
