@@ -468,7 +468,8 @@ QG_AVX512 void groups_avx512(const Ctx& c, int64_t n, int64_t m0, int mt) {
 // 73-75 / 86-87, 78-82 / 88-90, 87-89 / 98-101 (K = 8960 alike), at 5 rows 121 / 102 (K = 8960:
 // 140-144 / 121-123).
 template <int T>
-constexpr int64_t kNarrowRows = T == Q6_K && kNarrowTileRows > 0 ? std::max<int64_t>(kNarrowTileRows, 4) : kNarrowTileRows;
+constexpr int64_t kNarrowRows = !kNarrowType<T> ? 0
+                                : T == Q6_K && kNarrowTileRows > 0 ? std::max<int64_t>(kNarrowTileRows, 4) : kNarrowTileRows;
 
 // rows_avx2's work split, with the groups above: 16 rows (two groups) on 512-bit vectors where
 // the driver hands them out together, in calls of more than kNarrowRows rows.
