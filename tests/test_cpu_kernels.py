@@ -262,7 +262,7 @@ CPUINFO = ("processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel
 @pytest.mark.parametrize("vendor, family, flags, want", [
     ("GenuineIntel", "6", "fpu avx2 avx512f",
      ["-DQG_PREFETCH_ONE_GROUP=24576", "-DQG_PREFETCH_NEAR=4096", "-DPA_WIDE_VECTORS", "-DQG_WIDE_TILE_ROWS=8",
-      "-DQG_NARROW_TILE_ROWS=1", "-DQG_NARROW_TYPES=28672"]),  # Q4_K (12), Q5_K (13), Q6_K (14)
+      "-DQG_NARROW_TILE_ROWS=3", "-DQG_NARROW_TYPES=28672"]),  # Q4_K (12), Q5_K (13), Q6_K (14)
     ("AuthenticAMD", "25", "fpu avx2", ["-DQG_PREFETCH_LOCALITY=2", "-DQG_NARROW_TILE_ROWS=1"]),  # Zen 3
     ("AuthenticAMD", "25", "fpu avx2 avx512f avx512_vnni",  # Zen 4: Q8_0 (8) and Q4_K (12) left to the hardware
      ["-DQG_PREFETCH_LOCALITY=2", "-DQG_NARROW_TILE_ROWS=1", "-DQG_UNPREFETCHED_TYPES=4352"]),

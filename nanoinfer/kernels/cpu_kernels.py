@@ -91,7 +91,7 @@ def _vendor_flags(cpuinfo: str | None = None) -> list[str]:
     time is prefetched 24 KiB ahead instead of 8 (kPrefetchOneGroup) into L2, and 4 KiB ahead
     into L1 (kPrefetchNear), decode attention runs on 512-bit vectors where the build has
     AVX-512 (PA_WIDE_VECTORS), the AVX-512 path's Q5_K and Q6_K tiles take up to 8 rows in one
-    pass instead of 6 (kWideTileRows), and the K-quants' calls of one row take its 256-bit tiles,
+    pass instead of 6 (kWideTileRows), and the K-quants' calls of 1-3 rows take its 256-bit tiles,
     one group prefetched at two distances (kNarrowTileRows, kNarrowType); on AMD family 25 (Zen 3
     and 4) the streamed weights are prefetched into L2 rather than L1 (kPrefetchLocality), and
     calls of one row take the AVX-512 path's 256-bit tiles (kNarrowTileRows: Zen 4's AVX-512 runs
@@ -102,7 +102,7 @@ def _vendor_flags(cpuinfo: str | None = None) -> list[str]:
     if vendor == "GenuineIntel":
         k_quants = 1 << GGMLQuantizationType.Q4_K | 1 << GGMLQuantizationType.Q5_K | 1 << GGMLQuantizationType.Q6_K
         return ["-DQG_PREFETCH_ONE_GROUP=24576", "-DQG_PREFETCH_NEAR=4096", "-DPA_WIDE_VECTORS", "-DQG_WIDE_TILE_ROWS=8",
-                "-DQG_NARROW_TILE_ROWS=1", f"-DQG_NARROW_TYPES={k_quants}"]
+                "-DQG_NARROW_TILE_ROWS=3", f"-DQG_NARROW_TYPES={k_quants}"]
     if vendor == "AuthenticAMD" and family == "25":
         zen4 = "avx512f" in cpu.get("flags", "").split()
         return ["-DQG_PREFETCH_LOCALITY=2", "-DQG_NARROW_TILE_ROWS=1"] + (
