@@ -82,8 +82,8 @@ constexpr int64_t kPrefetchNear = QG_PREFETCH_NEAR;
 // (kPrefetchNear) that the 16-row tiles' two groups lost by (docs/benchmarks.md, "The same Xeon,
 // a ninth session"). On a 2-vCPU Xeon (Emerald Rapids), rows of one sequence, builds loaded in
 // one process, alternating, ms: Qwen2.5-Coder 1.5B Q4_K_M at 1 row 35.8 -> 32.3, at 2 and 3 rows
-// (narrow to 1 -> to 3) 33.9 -> 30.8 and 35.4 -> 33.4; the 0.5B at 1 row 15.8 -> 15.5, Gemma 3
-// 270M Q4_K_M 9.7 -> 9.2 and alike at 2 and 3. At 4 rows the 16-row tiles ran as fast or faster
+// (narrow to 1 -> to 3) 33.9 -> 30.8 and 35.4 -> 33.4; at 1 row, every type narrow, the 0.5B
+// 15.8 -> 15.5 and Gemma 3 270M Q4_K_M 9.7 -> 9.2; both alike at 2 and 3 rows. At 4 rows the 16-row tiles ran as fast or faster
 // (but Q6_K's, kNarrowRows). The 32-value types ran slower there on the narrow tiles where the
 // weights sat in the L3 (SmolLM2-135M, 94 MB in 300 MiB, 1 row: Q4_1 2.96 against 3.11, Q4_0 2.84
 // against 3.06, Q8_0 4.03 against 4.20; Q4_1 at 4 rows 5.0 against 5.8) and no faster from
