@@ -97,6 +97,10 @@ class ColdCache:
     def for_this_cpu(cls) -> ColdCache:
         return cls(torch.ones(cpu_probe_bytes(last_level_cache_bytes()) // 4))
 
+    @property
+    def nbytes(self) -> int:
+        return self.buf.numel() * self.buf.element_size()
+
     def evict(self) -> None:
         self.buf.sum()
 
@@ -400,7 +404,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"prompt {prompt_len} tokens, decode {decode_len} tokens; TPOT = median decode step; "
           f"MBU/MFU at context {mid}")
     if cold:
-        print(f"cold cache: {fmt_bytes(cold.buf.numel() * 4)} read before each timed step (untimed), so the "
+        print(f"cold cache: {fmt_bytes(cold.nbytes)} read before each timed step (untimed), so the "
               f"weights come from memory, not the {fmt_bytes(last_level_cache_bytes())} last-level cache")
     rows = [[str(r["batch_size"]), f"{r['ttft_s'] * 1e3:.1f}", f"{r['prefill_tok_s']:.1f}", fmt_pct(r["prefill_mfu"]),
              f"{r['tpot_s'] * 1e3:.2f}", f"{r['decode_tok_s']:.1f}", fmt_pct(r["mbu"]), fmt_pct(r["mfu"]),
@@ -420,7 +424,7 @@ def run(args: argparse.Namespace) -> int:
                       title=f"{env.loaded.path.name}, {env.dtype}, {env.peaks.device_name}")
         print(f"roofline plot: {plot}")
     doc = {**run_meta(env, "latency"), "card": card, "results": results, "plot": plot,
-           "interleaved": bool(interleave), "cold_cache_bytes": cold.buf.numel() * 4 if cold else 0}
+           "interleaved": bool(interleave), "cold_cache_bytes": cold.nbytes if cold else 0}
     if comparisons:
         doc["compare"] = comparisons[0]
     if len(comparisons) > 1:

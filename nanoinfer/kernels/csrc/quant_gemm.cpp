@@ -274,12 +274,9 @@ void quantise_team(int qtype, int path, const float* x, int64_t M, int64_t K, vo
         int16_t* po = c.po ? const_cast<int16_t*>(c.po) + m * c.nb * kPairs16 : nullptr;
         int32_t* qo = c.qo ? const_cast<int32_t*>(c.qo) + m * c.nb * kSums16 : nullptr;
 #if defined(QG_X86)
-        if (path != PATH_PORTABLE && B == 32) {
-            quantize_row_avx2<32>(xr, K, q, d, s, xsum, bs, po, qo);
-            continue;
-        }
-        if (path != PATH_PORTABLE && B == 256) {
-            quantize_row_avx2<256>(xr, K, q, d, s, xsum, bs, po, qo);
+        if (path != PATH_PORTABLE) {  // the activation blocks are 32 or 256 values (types.def)
+            B == 32 ? quantize_row_avx2<32>(xr, K, q, d, s, xsum, bs, po, qo)
+                    : quantize_row_avx2<256>(xr, K, q, d, s, xsum, bs, po, qo);
             continue;
         }
 #endif

@@ -73,22 +73,22 @@ constexpr int kPrefetchLocality = QG_PREFETCH_LOCALITY;
 constexpr int64_t kPrefetchNear = QG_PREFETCH_NEAR;
 // Calls of at most this many activation rows take the AVX-512 path's 8-row tiles on 256-bit
 // vectors; larger ones its 16-row tiles on 512-bit vectors (Q6_K: x86_avx512.h's kNarrowRows).
-// cpu_kernels.py sets QG_NARROW_TILE_ROWS=1 on AMD family 25 (Zen 4 runs a 512-bit operation as
-// two 256-bit halves): streamed one thread on a 2-vCPU Zen 4 (a 256 MiB weight of K = 1536), ns
-// per 8 weight rows x 256 at 1 row, 8-row tiles against 16-row ones: Q4_K 51 / 55-56, Q5_K
-// 67 / 66-69, Q6_K 73-77 / 83-101; Q4_1 (x 32) 7.2-7.5 / 7.9-8.0. From 2 rows the 16-row tiles
-// ran faster (Q4_K at 4 rows 81 / 55, Q4_1 11.5 / 8.3). On Intel it sets 3, for the K-quants
-// only (QG_NARROW_TYPES), whose 8-row tiles' one group at a time takes the two-distance prefetch
-// (kPrefetchNear) that the 16-row tiles' two groups lost by (docs/benchmarks.md, "The same Xeon,
-// a ninth session"). On a 2-vCPU Xeon (Emerald Rapids), rows of one sequence, builds loaded in
-// one process, alternating, ms: Qwen2.5-Coder 1.5B Q4_K_M at 1 row 35.8 -> 32.3, at 2 and 3 rows
-// (narrow to 1 -> to 3) 33.9 -> 30.8 and 35.4 -> 33.4; at 1 row, every type narrow, the 0.5B
-// 15.8 -> 15.5 and Gemma 3 270M Q4_K_M 9.7 -> 9.2; both alike at 2 and 3 rows. At 4 rows the 16-row tiles ran as fast or faster
+// cpu_kernels.py sets QG_NARROW_TILE_ROWS=1 on AMD family 25 (Zen 4 runs a 512-bit operation as two
+// 256-bit halves): streamed one thread on a 2-vCPU Zen 4 (a 256 MiB weight of K = 1536), ns per 8
+// weight rows x 256 at 1 row, 8-row tiles against 16-row ones: Q4_K 51 / 55-56, Q5_K 67 / 66-69,
+// Q6_K 73-77 / 83-101; Q4_1 (x 32) 7.2-7.5 / 7.9-8.0. From 2 rows the 16-row tiles ran faster (Q4_K
+// at 4 rows 81 / 55, Q4_1 11.5 / 8.3). On Intel it sets 3, for the K-quants only (QG_NARROW_TYPES),
+// whose 8-row tiles' one group at a time takes the two-distance prefetch (kPrefetchNear) that the
+// 16-row tiles' two groups lost by (docs/benchmarks.md, "The same Xeon, a ninth session"). On a
+// 2-vCPU Xeon (Emerald Rapids), rows of one sequence, builds loaded in one process, alternating,
+// ms: Qwen2.5-Coder 1.5B Q4_K_M at 1 row 35.8 -> 32.3, at 2 and 3 rows (narrow to 1 -> to 3) 33.9
+// -> 30.8 and 35.4 -> 33.4; at 1 row, every type narrow, the 0.5B 15.8 -> 15.5 and Gemma 3 270M
+// Q4_K_M 9.7 -> 9.2; both alike at 2 and 3 rows. At 4 rows the 16-row tiles ran as fast or faster
 // (but Q6_K's, kNarrowRows). The 32-value types ran slower there on the narrow tiles where the
 // weights sat in the L3 (SmolLM2-135M, 94 MB in 300 MiB, 1 row: Q4_1 2.96 against 3.11, Q4_0 2.84
-// against 3.06, Q8_0 4.03 against 4.20; Q4_1 at 4 rows 5.0 against 5.8) and no faster from
-// memory (Q4_1, the L3 flushed before each forward: 5.21 against 5.27), so they keep the 16-row
-// tiles. The same integers and float operations per lane either way: the same bits.
+// against 3.06, Q8_0 4.03 against 4.20; Q4_1 at 4 rows 5.0 against 5.8) and no faster from memory
+// (Q4_1, the L3 flushed before each forward: 5.21 against 5.27), so they keep the 16-row tiles. The
+// same integers and float operations per lane either way: the same bits.
 #ifndef QG_NARROW_TILE_ROWS
 #define QG_NARROW_TILE_ROWS 0
 #endif
