@@ -100,9 +100,14 @@ struct GroupRows {
     }
 };
 
-// The `bytes` of a streamed weight from p on, into the cache Locality names.
+// The `bytes` of a streamed weight from p on, into the cache Locality names. Unrolled (a group
+// block's bytes are a constant: a prefetch instruction a line): as a loop, each line also cost an
+// add, a compare and a taken branch on the ports the tiles' vector work runs on. On a 2-vCPU Xeon
+// (Emerald Rapids), the AVX2 configuration, builds alternating: Qwen2.5-Coder 1.5B's 1-row
+// forward 3.0-3.6% faster, Gemma 3 270M's 8%, the 0.5B's 0.8%; natively within +-1.5%.
 template <int Locality = kPrefetchLocality>
 QG_AVX2 inline void prefetch_bytes(const uint8_t* p, int bytes) {
+#pragma GCC unroll 64
     for (int o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, Locality);
 }
 // prefetch_bytes, and a line of the thread's side ranges.
