@@ -97,13 +97,12 @@ def _vendor_flags(cpuinfo: str | None = None) -> list[str]:
     calls of one row take the AVX-512 path's 256-bit tiles (kNarrowTileRows: Zen 4's AVX-512 runs
     as two 256-bit halves); on Zen 4 (family 25 with AVX-512) Q8_0's and Q4_K's one-group streams
     are left to the hardware prefetcher (kHardwarePrefetched: a bit per GGML type id); on AMD
-    family 26 (Zen 5, a full-width 512-bit datapath) decode attention runs on 512-bit vectors,
-    calls of one row take the 256-bit tiles, and the K-quants' calls of up to 4 rows
-    (kNarrowRows' QG_NARROW_TO_4_TYPES: Q6_K's everywhere else)."""
+    family 26 (Zen 5, a full-width 512-bit datapath) decode attention runs on 512-bit vectors
+    and calls of one row take the 256-bit tiles."""
     cpu = first_processor(cpuinfo)
     vendor, family = cpu.get("vendor_id"), cpu.get("cpu family")
-    k_quants = 1 << GGMLQuantizationType.Q4_K | 1 << GGMLQuantizationType.Q5_K | 1 << GGMLQuantizationType.Q6_K
     if vendor == "GenuineIntel":
+        k_quants = 1 << GGMLQuantizationType.Q4_K | 1 << GGMLQuantizationType.Q5_K | 1 << GGMLQuantizationType.Q6_K
         return ["-DQG_PREFETCH_ONE_GROUP=24576", "-DQG_PREFETCH_NEAR=4096", "-DPA_WIDE_VECTORS", "-DQG_WIDE_TILE_ROWS=8",
                 "-DQG_NARROW_TILE_ROWS=3", f"-DQG_NARROW_TYPES={k_quants}"]
     if vendor == "AuthenticAMD" and family == "25":
@@ -111,7 +110,7 @@ def _vendor_flags(cpuinfo: str | None = None) -> list[str]:
         return ["-DQG_PREFETCH_LOCALITY=2", "-DQG_NARROW_TILE_ROWS=1"] + (
             [f"-DQG_UNPREFETCHED_TYPES={1 << GGMLQuantizationType.Q8_0 | 1 << GGMLQuantizationType.Q4_K}"] if zen4 else [])
     if vendor == "AuthenticAMD" and family == "26":
-        return ["-DPA_WIDE_VECTORS", "-DQG_NARROW_TILE_ROWS=1", f"-DQG_NARROW_TO_4_TYPES={k_quants}"]
+        return ["-DPA_WIDE_VECTORS", "-DQG_NARROW_TILE_ROWS=1"]
     return []
 
 

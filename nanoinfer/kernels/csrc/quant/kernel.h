@@ -89,12 +89,13 @@ constexpr int64_t kPrefetchNear = QG_PREFETCH_NEAR;
 // against 3.06, Q8_0 4.03 against 4.20; Q4_1 at 4 rows 5.0 against 5.8) and no faster from memory
 // (Q4_1, the L3 flushed before each forward: 5.21 against 5.27), so they keep the 16-row tiles. The
 // same integers and float operations per lane either way: the same bits. On AMD family 26 (Zen 5,
-// whose 512-bit operations run whole) it sets 1, with the K-quants to 4 rows (kNarrowRows): a
-// 2-vCPU EPYC (family 26 model 2), builds loaded in one process, alternating, rows of one sequence
-// at position 512, ms for 1 / 4 / 8 rows, the defaults -> narrow at one row -> both: Qwen2.5-Coder
-// 1.5B Q4_K_M 32.5 / 32.5 / 37.5 -> 24.6 / 29.1 / 36.8 -> 23.9 / 25.7 / 36.4; 0.5B 10.6 / 11.3 /
-// 13.7 -> 9.0 / 11.0 / 13.6 -> 8.9 / 10.6 / 13.2; SmolLM2-135M Q4_1 3.10 / 3.75 / 5.22 -> 3.05 / 3.86 /
-// 5.23 -> 2.88 / 3.55 / 4.83 (with 512-bit attention, PA_WIDE_VECTORS, in the last).
+// whose 512-bit operations run whole) it sets 1: a 2-vCPU EPYC (family 26 model 2), builds loaded in
+// one process, alternating, rows of one sequence at position 512, ms for 1 / 4 / 8 rows, the
+// defaults -> narrow at one row: Qwen2.5-Coder 1.5B Q4_K_M 32.5 / 32.5 / 37.5 -> 24.6 / 29.1 / 36.8;
+// 0.5B 10.6 / 11.3 / 13.7 -> 9.0 / 11.0 / 13.6; Gemma 3 270M Q4_K_M 5.17 / 5.74 / 7.76 -> 4.38 /
+// 5.59 / 7.63. That host's memory swung between two states; in its fast one (1.5B: one row 17-18
+// ms) the 16-row tiles took 4 rows in 21-23 ms, where Q4_K's 4 rows narrow (as Q6_K's) took 23-26
+// (25-30 against 28-32 in the slow one), so at 2-8 rows it keeps them.
 #ifndef QG_NARROW_TILE_ROWS
 #define QG_NARROW_TILE_ROWS 0
 #endif

@@ -466,17 +466,10 @@ QG_AVX512 void groups_avx512(const Ctx& c, int64_t n, int64_t m0, int mt) {
 // Where a CPU takes narrow tiles (kNarrowTileRows), Q6_K takes them up to 4 rows: streamed as in
 // kNarrowTileRows' figures, 8-row tiles against 16-row ones at 1-4 rows K = 1536: 73-77 / 83-101,
 // 73-75 / 86-87, 78-82 / 88-90, 87-89 / 98-101 (K = 8960 alike), at 5 rows 121 / 102 (K = 8960:
-// 140-144 / 121-123). QG_NARROW_TO_4_TYPES names the types that do so (a bit per GGML type id):
-// cpu_kernels.py adds Q4_K's and Q5_K's on Zen 5, where the 16-row tiles' stream at 4 rows ran
-// slower than the 8-row ones' (the 1.5B's 4-row forward 29.1 -> 25.7 ms, kNarrowTileRows' figures);
-// at 8 rows the 16-row tiles stay faster there (the 8-row ones 45 against 37-38 ms).
-#ifndef QG_NARROW_TO_4_TYPES
-#define QG_NARROW_TO_4_TYPES (1ull << Q6_K)
-#endif
+// 140-144 / 121-123).
 template <int T>
 constexpr int64_t kNarrowRows = !kNarrowType<T> ? 0
-                                : (uint64_t(QG_NARROW_TO_4_TYPES) >> T) & 1 && kNarrowTileRows > 0
-                                    ? std::max<int64_t>(kNarrowTileRows, 4) : kNarrowTileRows;
+                                : T == Q6_K && kNarrowTileRows > 0 ? std::max<int64_t>(kNarrowTileRows, 4) : kNarrowTileRows;
 
 // rows_avx2's work split, with the groups above: 16 rows (two groups) on 512-bit vectors where
 // the driver hands them out together, in calls of more than kNarrowRows rows.
