@@ -97,8 +97,8 @@ def _vendor_flags(cpuinfo: str | None = None) -> list[str]:
     calls of one row take the AVX-512 path's 256-bit tiles (kNarrowTileRows: Zen 4's AVX-512 runs
     as two 256-bit halves); on Zen 4 (family 25 with AVX-512) Q8_0's and Q4_K's one-group streams
     are left to the hardware prefetcher (kHardwarePrefetched: a bit per GGML type id); on AMD
-    family 26 (Zen 5, a full-width 512-bit datapath) decode attention runs on 512-bit vectors
-    and calls of one row take the 256-bit tiles."""
+    family 26 (Zen 5; measured on an EPYC, whose 512-bit datapath is full width) decode attention
+    runs on 512-bit vectors and calls of one row take the 256-bit tiles."""
     cpu = first_processor(cpuinfo)
     vendor, family = cpu.get("vendor_id"), cpu.get("cpu family")
     if vendor == "GenuineIntel":

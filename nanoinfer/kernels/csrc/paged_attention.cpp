@@ -77,14 +77,14 @@ inline __m256 half16(const BF16* r, int64_t i, int high) {
 // Scores and weighted values on 512-bit vectors, a head's values 32 at a time (half32, below),
 // where the build has AVX-512 BW and VL and cpu_kernels.py asks for them (PA_WIDE_VECTORS: on
 // Intel and AMD's Zen 5, where they were measured; elsewhere, Zen 4's halved 512-bit units
-// included, the 256-bit code below). Against that code on a 2-vCPU Emerald Rapids Xeon (28 layers' calls, bf16 cache at
-// position 512, one row / four rows of one sequence): 12 query heads over 2 kv heads at D = 128
-// 1.11x / 1.23x faster, 14 over 2 at D = 64 1.14x / 1.15x, 4 over 1 at D = 256 1.16x / 1.24x, 9 over
-// 3 at D = 64 1.10x / 1.11x; decode at 2048 tokens, batch 4, Qwen2.5 1.5B 1.11-1.16x, Gemma 3 270M
-// 1.06-1.10x (docs/benchmarks.md, the eighth Xeon section). On a 2-vCPU Zen 5 (family 26), builds
-// alternating in one process, rows of one sequence at position 4096, bf16 cache, 1 / 4 / 8 rows:
-// SmolLM2-135M 8.89 / 14.19 / 21.68 -> 7.62 / 11.41 / 16.85 ms, Gemma 3 270M 4.81 / 6.74 / 9.59 ->
-// 4.51 / 6.28 / 8.44.
+// included, the 256-bit code below). Against that code on a 2-vCPU Emerald Rapids Xeon (28
+// layers' calls, bf16 cache at position 512, one row / four rows of one sequence): 12 query
+// heads over 2 kv heads at D = 128 1.11x / 1.23x faster, 14 over 2 at D = 64 1.14x / 1.15x, 4 over
+// 1 at D = 256 1.16x / 1.24x, 9 over 3 at D = 64 1.10x / 1.11x; decode at 2048 tokens, batch 4,
+// Qwen2.5 1.5B 1.11-1.16x, Gemma 3 270M 1.06-1.10x (docs/benchmarks.md, the eighth Xeon section).
+// On a 2-vCPU Zen 5 (family 26), builds alternating in one process, rows of one sequence at
+// position 4096, bf16 cache, 1 / 4 / 8 rows: SmolLM2-135M 8.89 / 14.19 / 21.68 -> 7.62 / 11.41 /
+// 16.85 ms, Gemma 3 270M 4.81 / 6.74 / 9.59 -> 4.51 / 6.28 / 8.44.
 #if defined(__AVX512BW__) && defined(__AVX512VL__) && defined(PA_WIDE_VECTORS)
 #define PA_ZMM 1
 // Values i .. i + 31 of a head's row (i a multiple of 32) as two vectors: a float row as it is (a:
