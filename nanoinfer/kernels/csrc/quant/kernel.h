@@ -71,6 +71,22 @@ constexpr int kPrefetchLocality = QG_PREFETCH_LOCALITY;
 #define QG_PREFETCH_NEAR 0
 #endif
 constexpr int64_t kPrefetchNear = QG_PREFETCH_NEAR;
+// Whether the K-quant tiles spread a block's prefetches over its steps, a line or two a step
+// (x86_avx2.h's kSpreadPrefetch), instead of issuing them together as the block starts: 36 lines
+// at once for a Q4_K block of two groups, 54 for Q6_K's. cpu_kernels.py sets it on AMD family 26.
+// On a 2-vCPU EPYC (Zen 5, family 26 model 2) the 16-row tiles of 2 and 3 rows streamed Q4_K at
+// half the rate of one row's narrow tiles, slower than 4 rows did (one thread, the 1.5B's 56 Q4_K
+// weights 8960 x 1536, ms at 1 / 2 / 3 / 4 / 5 / 8 rows: 12.2 / 28.3 / 33.9 / 15.0 / 39.2 / 42.1 ->
+// 11.9 / 13.1 / 13.0 / 12.4 / 17.7 / 24.5), whatever the distance or cache the burst went to.
+// End to end (Qwen2.5-Coder 1.5B Q4_K_M, rows of one sequence at position 512, builds loaded in
+// one process, alternating, ms at 1 / 2 / 3 / 4 / 8 rows): in the host's slow memory state 23.5 /
+// 29.9 / 31.9 / 28.2 / 35.9 -> 22.1 / 23.7 / 24.1 / 24.1 / 32.9, in its fast one 17.2 / 24.2 /
+// 26.2 / 20.6 / 35.8 -> 15.1 / 17.9 / 20.0 / 19.5 / 35.4; the 0.5B, Gemma 3 270M and SmolLM2
+// Q4_K_M alike or up to 5% faster; the AVX2 path's 1-row forward 24.1 -> 23.1 (4 rows alike).
+#ifndef QG_SPREAD_PREFETCH
+#define QG_SPREAD_PREFETCH 0
+#endif
+constexpr bool kSpreadPrefetchOn = QG_SPREAD_PREFETCH;
 // Calls of at most this many activation rows take the AVX-512 path's 8-row tiles on 256-bit
 // vectors; larger ones its 16-row tiles on 512-bit vectors (Q6_K: x86_avx512.h's kNarrowRows).
 // cpu_kernels.py sets QG_NARROW_TILE_ROWS=1 on AMD family 25 (Zen 4 runs a 512-bit operation as two

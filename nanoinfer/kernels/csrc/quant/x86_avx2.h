@@ -116,6 +116,27 @@ QG_AVX2 inline void prefetch_lines(const Ctx& c, const uint8_t* p, int bytes) {
     prefetch_bytes<Locality>(p, bytes);
     if (c.side) c.side->step(1);
 }
+// Whether a K-quant tile of G groups (G = 1 on the AVX2 path) spreads a block's prefetches over
+// its steps (prefetch_share) instead of issuing them together as the block starts (where
+// QG_SPREAD_PREFETCH is set, and for one group where its lines go to one cache from one distance).
+template <int T, int G>
+constexpr bool kSpreadPrefetch = kSpreadPrefetchOn && block_values(T) == 256 &&
+                                 (G == 2 || (kPrefetchNear == 0 && !kHardwarePrefetched<T>));
+// A prefetch of p's line into the cache kPrefetchLocality names: __builtin_prefetch's instruction,
+// in inline assembly, for GCC dropped prefetch_share's __builtin_prefetch calls.
+QG_AVX2 inline void prefetch_line(const uint8_t* p) {
+    if constexpr (kPrefetchLocality == 3) asm volatile("prefetcht0 %0" : : "m"(*p));
+    else if constexpr (kPrefetchLocality == 2) asm volatile("prefetcht1 %0" : : "m"(*p));
+    else if constexpr (kPrefetchLocality == 1) asm volatile("prefetcht2 %0" : : "m"(*p));
+    else asm volatile("prefetchnta %0" : : "m"(*p));
+}
+// Share `part` of `Parts` of the lines of G group blocks of `bytes` each (gb[k]), `ahead` bytes on.
+template <int bytes, int G, int Parts>
+QG_AVX2 inline void prefetch_share(const uint8_t* const* gb, int64_t ahead, int part) {
+    constexpr int per = (bytes + 63) / 64, lines = G * per;
+    const int l0 = part * lines / Parts, l1 = (part + 1) * lines / Parts;
+    for (int l = l0; l < l1; l++) prefetch_line(gb[l / per] + ahead + 64 * (l % per));
+}
 // The next `bytes` of a weight of type T streamed one group at a time from block p on:
 // kPrefetchOneGroup bytes ahead, into L2 with those kPrefetchNear bytes ahead into L1 where that
 // is set (none where kHardwarePrefetched), and a line of the side ranges either way.
@@ -410,7 +431,10 @@ QG_AVX2 void groupk_avx2(const Ctx& c, int64_t n, int64_t m0) {
     for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < c.nb; b++) {
         const uint8_t* gb = g + b * L::group_bytes;
-        if constexpr (PF) prefetch_group<T>(c, gb, L::group_bytes);
+        constexpr bool spread = PF && !V && kSpreadPrefetch<T, 1>;
+        if constexpr (PF && !spread) prefetch_group<T>(c, gb, L::group_bytes);
+        if constexpr (spread)
+            if (c.side) c.side->step(1);
         __m256i isum[R];
         for (int i = 0; i < R; i++) isum[i] = _mm256_setzero_si256();
         __m256 dv;
@@ -451,6 +475,7 @@ QG_AVX2 void groupk_avx2(const Ctx& c, int64_t n, int64_t m0) {
 #pragma GCC unroll 4
                         for (int u = 0; u < 4; u++) {
                             const int v = 4 * half + u;
+                            if constexpr (spread) prefetch_share<L::group_bytes, 1, 64>(&gb, kPrefetchOneGroup, 32 * h + 8 * t + v);
                             const __m256i wv = q6_weights(gb, h, t, v);
                             for (int i = 0; i < R; i++) {
                                 s[i] = _mm256_add_epi16(s[i], _mm256_maddubs_epi16(wv, bcast4(x.xq[i] + b * QK + 128 * h + 32 * t + 4 * v)));
@@ -492,6 +517,7 @@ QG_AVX2 void groupk_avx2(const Ctx& c, int64_t n, int64_t m0) {
                     __m256i s[R];
                     for (int i = 0; i < R; i++) s[i] = _mm256_setzero_si256();
                     for (int v = v0; v < v0 + run; v++) {
+                        if constexpr (spread) prefetch_share<L::group_bytes, 1, 64>(&gb, kPrefetchOneGroup, 8 * j + v);
                         const __m256i wv = k_weights<T>(gb, j, v);
                         for (int i = 0; i < R; i++) {
                             s[i] = _mm256_add_epi16(s[i], _mm256_maddubs_epi16(wv, bcast4(x.xq[i] + b * QK + 32 * j + 4 * v)));

@@ -171,9 +171,21 @@ template <int T, int G, bool PF>
 QG_AVX512 inline void group_blocks(const Ctx& c, int64_t n, int64_t b, int group_bytes, const uint8_t** gb) {
     for (int k = 0; k < G; k++) {
         gb[k] = c.w + (n + kGroup * k) * c.rb + b * group_bytes;
-        if constexpr (PF && G == 1) prefetch_group<T>(c, gb[k], group_bytes);
-        if constexpr (PF && G == 2) prefetch_lines(c, gb[k] + 2 * kGroup * c.rb, group_bytes);
+        if constexpr (PF && kSpreadPrefetch<T, G>) {
+            if (c.side) c.side->step(1);
+        } else {
+            if constexpr (PF && G == 1) prefetch_group<T>(c, gb[k], group_bytes);
+            if constexpr (PF && G == 2) prefetch_lines(c, gb[k] + 2 * kGroup * c.rb, group_bytes);
+        }
     }
+}
+
+// Part `part` of `Parts` of the lines group_blocks would prefetch for block b, where the tile
+// spreads them (kSpreadPrefetch): groups one call ahead, or one group kPrefetchOneGroup bytes.
+template <int T, int G, bool PF, int Parts>
+QG_AVX512 inline void prefetch_part(const Ctx& c, const uint8_t* const* gb, int part) {
+    if constexpr (PF && kSpreadPrefetch<T, G>)
+        prefetch_share<PackedK<T>::group_bytes, G, Parts>(gb, G == 2 ? 2 * kGroup * c.rb : kPrefetchOneGroup, part);
 }
 
 // Rows m0 .. m0 + R - 1 of the tile's outputs n .. n + 8G - 1, plus the bias.
@@ -368,6 +380,7 @@ QG_AVX512 void groupk_avx512(const Ctx& c, int64_t n, int64_t m0) {
                     }
 #pragma GCC unroll 4
                     for (int v = 0; v < 4; v++) {
+                        prefetch_part<T, G, PF, 32>(c, gb, 16 * h + 4 * t + v);
                         const I w0 = q6_weights_of<G>(gb, h, t, v), w1 = q6_weights_of<G>(gb, h, t, v + 4);
                         for (int i = 0; i < R; i++) {
                             const int8_t* xv = xb[i] + 128 * h + 32 * t + 4 * v;
@@ -389,6 +402,7 @@ QG_AVX512 void groupk_avx512(const Ctx& c, int64_t n, int64_t m0) {
                     for (int i = 0; i < R; i++) p[i] = I{};
 #pragma GCC unroll 8
                     for (int v = 0; v < 8; v++) {
+                        prefetch_part<T, G, PF, 64>(c, gb, 8 * j + v);
                         const I w = k_weights_of<T, G>(gb, j, v);
                         for (int i = 0; i < R; i++) p[i] = v_dot4(p[i], w, xb[i] + 32 * j + 4 * v);
                     }
@@ -401,6 +415,7 @@ QG_AVX512 void groupk_avx512(const Ctx& c, int64_t n, int64_t m0) {
                     for (int i = 0; i < R; i++) p0[i] = p1[i] = I{};
 #pragma GCC unroll 8
                     for (int v = 0; v < 8; v++) {
+                        prefetch_part<T, G, PF, 32>(c, gb, 4 * j + v);
                         const I w0 = k_weights_of<T, G>(gb, j, v), w1 = k_weights_of<T, G>(gb, j + 1, v);
                         for (int i = 0; i < R; i++) {
                             const int8_t* xv = xb[i] + 32 * j + 4 * v;
