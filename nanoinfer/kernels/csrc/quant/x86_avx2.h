@@ -130,12 +130,16 @@ QG_AVX2 inline void prefetch_line(const uint8_t* p) {
     else if constexpr (kPrefetchLocality == 1) asm volatile("prefetcht2 %0" : : "m"(*p));
     else asm volatile("prefetchnta %0" : : "m"(*p));
 }
-// Share `part` of `Parts` of the lines of G group blocks of `bytes` each (gb[k]), `ahead` bytes on.
+// Share `part` of `Parts` of the lines of G group blocks of `bytes` each (gb[k]), `ahead` bytes on:
+// one or two lines, no loop (a loop here kept GCC from unrolling the AVX2 4-row Q4_K tile).
 template <int bytes, int G, int Parts>
 QG_AVX2 inline void prefetch_share(const uint8_t* const* gb, int64_t ahead, int part) {
     constexpr int per = (bytes + 63) / 64, lines = G * per;
+    static_assert(lines <= 2 * Parts, "prefetch_share: at most two lines a share");
     const int l0 = part * lines / Parts, l1 = (part + 1) * lines / Parts;
-    for (int l = l0; l < l1; l++) prefetch_line(gb[l / per] + ahead + 64 * (l % per));
+    if (l0 < l1) prefetch_line(gb[l0 / per] + ahead + 64 * (l0 % per));
+    if constexpr (lines > Parts)
+        if (l0 + 1 < l1) prefetch_line(gb[(l0 + 1) / per] + ahead + 64 * ((l0 + 1) % per));
 }
 // The next `bytes` of a weight of type T streamed one group at a time from block p on:
 // kPrefetchOneGroup bytes ahead, into L2 with those kPrefetchNear bytes ahead into L1 where that
@@ -431,7 +435,8 @@ QG_AVX2 void groupk_avx2(const Ctx& c, int64_t n, int64_t m0) {
     for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < c.nb; b++) {
         const uint8_t* gb = g + b * L::group_bytes;
-        constexpr bool spread = PF && !V && kSpreadPrefetch<T, 1>;
+        // (1-row tiles only: with the prefetches in its steps GCC no longer unrolled Q5_K's 4-row one)
+        constexpr bool spread = PF && !V && R == 1 && kSpreadPrefetch<T, 1>;
         if constexpr (PF && !spread) prefetch_group<T>(c, gb, L::group_bytes);
         if constexpr (spread)
             if (c.side) c.side->step(1);
