@@ -82,7 +82,9 @@ constexpr int64_t kPrefetchNear = QG_PREFETCH_NEAR;
 // one process, alternating, ms at 1 / 2 / 3 / 4 / 8 rows): in the host's slow memory state 23.5 /
 // 29.9 / 31.9 / 28.2 / 35.9 -> 22.1 / 23.7 / 24.1 / 24.1 / 32.9, in its fast one 17.2 / 24.2 /
 // 26.2 / 20.6 / 35.8 -> 15.1 / 17.9 / 20.0 / 19.5 / 35.4; the 0.5B, Gemma 3 270M and SmolLM2
-// Q4_K_M alike or up to 5% faster; the AVX2 path's 1-row forward 24.1 -> 23.1 (4 rows alike).
+// Q4_K_M alike or up to 5% faster. The AVX2 path spreads them in its 1-row tiles only (its 4-row
+// Q4_K and Q5_K tiles were no longer unrolled with them): the 1.5B's 1-row forward there 17.0-17.5
+// -> 15.4-15.7 ms in the fast state, 22.6-23.2 -> 21.7-22.4 in the slow one.
 #ifndef QG_SPREAD_PREFETCH
 #define QG_SPREAD_PREFETCH 0
 #endif
