@@ -159,7 +159,8 @@ QG_AVX512 inline void q6_offsets(const int32_t* p, __m256i& first, __m256i& seco
     second = _mm256_shuffle_epi32(both, 0x55);
 }
 
-// Block b of each of the G groups from row n on (group_bytes each), prefetching ahead when PF.
+// Block b of each of the G groups from row n on (group_bytes each), prefetching ahead when PF
+// (where kSpreadPrefetch, the tile's steps issue those lines instead: prefetch_part below).
 // One group streams its rows' bytes in memory order, prefetched as prefetch_group says.
 // Two groups lie side by side and are read in step, so a fixed distance ahead of the first one's
 // block lands in the second group, a block or so before that group reads it: half the stream
