@@ -110,11 +110,15 @@ QG_AVX2 inline void prefetch_bytes(const uint8_t* p, int bytes) {
 #pragma GCC unroll 64
     for (int o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, Locality);
 }
+// A line of the thread's side ranges: one per group block streamed, however its lines are issued.
+QG_AVX2 inline void step_side(const Ctx& c) {
+    if (c.side) c.side->step(1);
+}
 // prefetch_bytes, and a line of the thread's side ranges.
 template <int Locality = kPrefetchLocality>
 QG_AVX2 inline void prefetch_lines(const Ctx& c, const uint8_t* p, int bytes) {
     prefetch_bytes<Locality>(p, bytes);
-    if (c.side) c.side->step(1);
+    step_side(c);
 }
 // Whether a K-quant tile of G groups (G = 1 on the AVX2 path) spreads a block's prefetches over
 // its steps (prefetch_share) instead of issuing them together as the block starts (where
@@ -129,6 +133,12 @@ QG_AVX2 inline void prefetch_line(const uint8_t* p) {
     else if constexpr (kPrefetchLocality == 2) asm volatile("prefetcht1 %0" : : "m"(*p));
     else if constexpr (kPrefetchLocality == 1) asm volatile("prefetcht2 %0" : : "m"(*p));
     else asm volatile("prefetchnta %0" : : "m"(*p));
+}
+// How far ahead of a block a tile of G groups prefetches its stream: two groups the same block one
+// call on (2 * kGroup rows), one group kPrefetchOneGroup bytes on in its own rows.
+template <int G>
+QG_AVX2 inline int64_t stream_ahead(const Ctx& c) {
+    return G == 2 ? 2 * kGroup * c.rb : kPrefetchOneGroup;
 }
 // Share `part` of `Parts` of the lines of G group blocks of `bytes` each (gb[k]), `ahead` bytes on:
 // one or two lines, no loop (a loop here kept GCC from unrolling the AVX2 4-row Q4_K tile).
@@ -438,8 +448,7 @@ QG_AVX2 void groupk_avx2(const Ctx& c, int64_t n, int64_t m0) {
         // (1-row tiles only: with the prefetches in its steps GCC no longer unrolled Q5_K's 4-row one)
         constexpr bool spread = PF && !V && R == 1 && kSpreadPrefetch<T, 1>;
         if constexpr (PF && !spread) prefetch_group<T>(c, gb, L::group_bytes);
-        if constexpr (spread)
-            if (c.side) c.side->step(1);
+        if constexpr (spread) step_side(c);
         __m256i isum[R];
         for (int i = 0; i < R; i++) isum[i] = _mm256_setzero_si256();
         __m256 dv;
@@ -480,7 +489,7 @@ QG_AVX2 void groupk_avx2(const Ctx& c, int64_t n, int64_t m0) {
 #pragma GCC unroll 4
                         for (int u = 0; u < 4; u++) {
                             const int v = 4 * half + u;
-                            if constexpr (spread) prefetch_share<L::group_bytes, 1, 64>(&gb, kPrefetchOneGroup, 32 * h + 8 * t + v);
+                            if constexpr (spread) prefetch_share<L::group_bytes, 1, 64>(&gb, stream_ahead<1>(c), 32 * h + 8 * t + v);
                             const __m256i wv = q6_weights(gb, h, t, v);
                             for (int i = 0; i < R; i++) {
                                 s[i] = _mm256_add_epi16(s[i], _mm256_maddubs_epi16(wv, bcast4(x.xq[i] + b * QK + 128 * h + 32 * t + 4 * v)));
@@ -522,7 +531,7 @@ QG_AVX2 void groupk_avx2(const Ctx& c, int64_t n, int64_t m0) {
                     __m256i s[R];
                     for (int i = 0; i < R; i++) s[i] = _mm256_setzero_si256();
                     for (int v = v0; v < v0 + run; v++) {
-                        if constexpr (spread) prefetch_share<L::group_bytes, 1, 64>(&gb, kPrefetchOneGroup, 8 * j + v);
+                        if constexpr (spread) prefetch_share<L::group_bytes, 1, 64>(&gb, stream_ahead<1>(c), 8 * j + v);
                         const __m256i wv = k_weights<T>(gb, j, v);
                         for (int i = 0; i < R; i++) {
                             s[i] = _mm256_add_epi16(s[i], _mm256_maddubs_epi16(wv, bcast4(x.xq[i] + b * QK + 32 * j + 4 * v)));

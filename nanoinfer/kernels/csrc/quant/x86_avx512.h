@@ -173,20 +173,19 @@ QG_AVX512 inline void group_blocks(const Ctx& c, int64_t n, int64_t b, int group
     for (int k = 0; k < G; k++) {
         gb[k] = c.w + (n + kGroup * k) * c.rb + b * group_bytes;
         if constexpr (PF && kSpreadPrefetch<T, G>) {
-            if (c.side) c.side->step(1);
+            step_side(c);
         } else {
             if constexpr (PF && G == 1) prefetch_group<T>(c, gb[k], group_bytes);
-            if constexpr (PF && G == 2) prefetch_lines(c, gb[k] + 2 * kGroup * c.rb, group_bytes);
+            if constexpr (PF && G == 2) prefetch_lines(c, gb[k] + stream_ahead<G>(c), group_bytes);
         }
     }
 }
 
 // Part `part` of `Parts` of the lines group_blocks would prefetch for block b, where the tile
-// spreads them (kSpreadPrefetch): groups one call ahead, or one group kPrefetchOneGroup bytes.
+// spreads them (kSpreadPrefetch).
 template <int T, int G, bool PF, int Parts>
 QG_AVX512 inline void prefetch_part(const Ctx& c, const uint8_t* const* gb, int part) {
-    if constexpr (PF && kSpreadPrefetch<T, G>)
-        prefetch_share<PackedK<T>::group_bytes, G, Parts>(gb, G == 2 ? 2 * kGroup * c.rb : kPrefetchOneGroup, part);
+    if constexpr (PF && kSpreadPrefetch<T, G>) prefetch_share<PackedK<T>::group_bytes, G, Parts>(gb, stream_ahead<G>(c), part);
 }
 
 // Rows m0 .. m0 + R - 1 of the tile's outputs n .. n + 8G - 1, plus the bias.
