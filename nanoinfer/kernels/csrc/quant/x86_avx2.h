@@ -127,7 +127,8 @@ template <int T, int G>
 constexpr bool kSpreadPrefetch = kSpreadPrefetchOn && block_values(T) == 256 &&
                                  (G == 2 || (kPrefetchNear == 0 && !kHardwarePrefetched<T>));
 // A prefetch of p's line into the cache kPrefetchLocality names: __builtin_prefetch's instruction,
-// in inline assembly, for GCC dropped prefetch_share's __builtin_prefetch calls.
+// in inline assembly, for GCC dropped prefetch_share's __builtin_prefetch calls. (The bursts,
+// prefetch_bytes, keep the builtin: every CPU's tiles were tuned with the code it makes.)
 QG_AVX2 inline void prefetch_line(const uint8_t* p) {
     if constexpr (kPrefetchLocality == 3) asm volatile("prefetcht0 %0" : : "m"(*p));
     else if constexpr (kPrefetchLocality == 2) asm volatile("prefetcht1 %0" : : "m"(*p));
