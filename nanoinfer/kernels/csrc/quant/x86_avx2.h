@@ -141,16 +141,28 @@ template <int G>
 QG_AVX2 inline int64_t stream_ahead(const Ctx& c) {
     return G == 2 ? 2 * kGroup * c.rb : kPrefetchOneGroup;
 }
-// Share `part` of `Parts` of the lines of G group blocks of `bytes` each (gb[k]), `ahead` bytes on:
-// one or two lines, no loop (a loop here kept GCC from unrolling the AVX2 4-row Q4_K tile).
+// Where a spreading tile's steps prefetch block gb[k]'s lines: stream_ahead bytes on, once a block.
+// Two groups' distance is known at run time only, so the pointer is hidden from the optimiser and
+// each line is it plus a constant: folded into the distance, the 36 lines' offsets of a two-group
+// Q4_K block became 36 values kept on the stack and loaded back, one a prefetch.
+template <int G>
+QG_AVX2 inline void spread_bases(const Ctx& c, const uint8_t* const* gb, const uint8_t** at) {
+    for (int k = 0; k < G; k++) {
+        at[k] = gb[k] + stream_ahead<G>(c);
+        if constexpr (G == 2) asm("" : "+r"(at[k]));
+    }
+}
+// Share `part` of `Parts` of the lines of G group blocks of `bytes` each from at[k] on
+// (spread_bases): one or two lines, no loop (a loop here kept GCC from unrolling the AVX2 4-row
+// Q4_K tile).
 template <int bytes, int G, int Parts>
-QG_AVX2 inline void prefetch_share(const uint8_t* const* gb, int64_t ahead, int part) {
+QG_AVX2 inline void prefetch_share(const uint8_t* const* at, int part) {
     constexpr int per = (bytes + 63) / 64, lines = G * per;
     static_assert(lines <= 2 * Parts, "prefetch_share: at most two lines a share");
     const int l0 = part * lines / Parts, l1 = (part + 1) * lines / Parts;
-    if (l0 < l1) prefetch_line(gb[l0 / per] + ahead + 64 * (l0 % per));
+    if (l0 < l1) prefetch_line(at[l0 / per] + 64 * (l0 % per));
     if constexpr (lines > Parts)
-        if (l0 + 1 < l1) prefetch_line(gb[(l0 + 1) / per] + ahead + 64 * ((l0 + 1) % per));
+        if (l0 + 1 < l1) prefetch_line(at[(l0 + 1) / per] + 64 * ((l0 + 1) % per));
 }
 // The next `bytes` of a weight of type T streamed one group at a time from block p on:
 // kPrefetchOneGroup bytes ahead, into L2 with those kPrefetchNear bytes ahead into L1 where that
@@ -449,7 +461,11 @@ QG_AVX2 void groupk_avx2(const Ctx& c, int64_t n, int64_t m0) {
         // (1-row tiles only: with the prefetches in its steps GCC no longer unrolled Q5_K's 4-row one)
         constexpr bool spread = PF && !V && R == 1 && kSpreadPrefetch<T, 1>;
         if constexpr (PF && !spread) prefetch_group<T>(c, gb, L::group_bytes);
-        if constexpr (spread) step_side(c);
+        const uint8_t* lines_at[1];
+        if constexpr (spread) {
+            step_side(c);
+            spread_bases<1>(c, &gb, lines_at);
+        }
         __m256i isum[R];
         for (int i = 0; i < R; i++) isum[i] = _mm256_setzero_si256();
         __m256 dv;
@@ -490,7 +506,7 @@ QG_AVX2 void groupk_avx2(const Ctx& c, int64_t n, int64_t m0) {
 #pragma GCC unroll 4
                         for (int u = 0; u < 4; u++) {
                             const int v = 4 * half + u;
-                            if constexpr (spread) prefetch_share<L::group_bytes, 1, 64>(&gb, stream_ahead<1>(c), 32 * h + 8 * t + v);
+                            if constexpr (spread) prefetch_share<L::group_bytes, 1, 64>(lines_at, 32 * h + 8 * t + v);
                             const __m256i wv = q6_weights(gb, h, t, v);
                             for (int i = 0; i < R; i++) {
                                 s[i] = _mm256_add_epi16(s[i], _mm256_maddubs_epi16(wv, bcast4(x.xq[i] + b * QK + 128 * h + 32 * t + 4 * v)));
@@ -532,7 +548,7 @@ QG_AVX2 void groupk_avx2(const Ctx& c, int64_t n, int64_t m0) {
                     __m256i s[R];
                     for (int i = 0; i < R; i++) s[i] = _mm256_setzero_si256();
                     for (int v = v0; v < v0 + run; v++) {
-                        if constexpr (spread) prefetch_share<L::group_bytes, 1, 64>(&gb, stream_ahead<1>(c), 8 * j + v);
+                        if constexpr (spread) prefetch_share<L::group_bytes, 1, 64>(lines_at, 8 * j + v);
                         const __m256i wv = k_weights<T>(gb, j, v);
                         for (int i = 0; i < R; i++) {
                             s[i] = _mm256_add_epi16(s[i], _mm256_maddubs_epi16(wv, bcast4(x.xq[i] + b * QK + 32 * j + 4 * v)));

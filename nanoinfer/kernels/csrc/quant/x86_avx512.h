@@ -181,11 +181,16 @@ QG_AVX512 inline void group_blocks(const Ctx& c, int64_t n, int64_t b, int group
     }
 }
 
-// Part `part` of `Parts` of the lines group_blocks would prefetch for block b, where the tile
-// spreads them (kSpreadPrefetch).
+// Where the tile's steps prefetch block b's lines (spread_bases), if it spreads them (kSpreadPrefetch).
+template <int T, int G, bool PF>
+QG_AVX512 inline void spread_bases_of(const Ctx& c, const uint8_t* const* gb, const uint8_t** at) {
+    if constexpr (PF && kSpreadPrefetch<T, G>) spread_bases<G>(c, gb, at);
+}
+// Part `part` of `Parts` of the lines group_blocks would prefetch for block b (from `at`:
+// spread_bases_of), where the tile spreads them.
 template <int T, int G, bool PF, int Parts>
-QG_AVX512 inline void prefetch_part(const Ctx& c, const uint8_t* const* gb, int part) {
-    if constexpr (PF && kSpreadPrefetch<T, G>) prefetch_share<PackedK<T>::group_bytes, G, Parts>(gb, stream_ahead<G>(c), part);
+QG_AVX512 inline void prefetch_part(const uint8_t* const* at, int part) {
+    if constexpr (PF && kSpreadPrefetch<T, G>) prefetch_share<PackedK<T>::group_bytes, G, Parts>(at, part);
 }
 
 // Rows m0 .. m0 + R - 1 of the tile's outputs n .. n + 8G - 1, plus the bias.
@@ -357,6 +362,8 @@ QG_AVX512 void groupk_avx512(const Ctx& c, int64_t n, int64_t m0) {
     for (int64_t b = 0; b < c.nb; b++) {
         const uint8_t* gb[G];
         group_blocks<T, G, PF>(c, n, b, L::group_bytes, gb);
+        const uint8_t* lines_at[G];
+        spread_bases_of<T, G, PF>(c, gb, lines_at);
         const int8_t* xb[R];
         for (int i = 0; i < R; i++) xb[i] = x.xq[i] + b * QK;
         I isum[R];
@@ -380,7 +387,7 @@ QG_AVX512 void groupk_avx512(const Ctx& c, int64_t n, int64_t m0) {
                     }
 #pragma GCC unroll 4
                     for (int v = 0; v < 4; v++) {
-                        prefetch_part<T, G, PF, 32>(c, gb, 16 * h + 4 * t + v);
+                        prefetch_part<T, G, PF, 32>(lines_at, 16 * h + 4 * t + v);
                         const I w0 = q6_weights_of<G>(gb, h, t, v), w1 = q6_weights_of<G>(gb, h, t, v + 4);
                         for (int i = 0; i < R; i++) {
                             const int8_t* xv = xb[i] + 128 * h + 32 * t + 4 * v;
@@ -402,7 +409,7 @@ QG_AVX512 void groupk_avx512(const Ctx& c, int64_t n, int64_t m0) {
                     for (int i = 0; i < R; i++) p[i] = I{};
 #pragma GCC unroll 8
                     for (int v = 0; v < 8; v++) {
-                        prefetch_part<T, G, PF, 64>(c, gb, 8 * j + v);
+                        prefetch_part<T, G, PF, 64>(lines_at, 8 * j + v);
                         const I w = k_weights_of<T, G>(gb, j, v);
                         for (int i = 0; i < R; i++) p[i] = v_dot4(p[i], w, xb[i] + 32 * j + 4 * v);
                     }
@@ -415,7 +422,7 @@ QG_AVX512 void groupk_avx512(const Ctx& c, int64_t n, int64_t m0) {
                     for (int i = 0; i < R; i++) p0[i] = p1[i] = I{};
 #pragma GCC unroll 8
                     for (int v = 0; v < 8; v++) {
-                        prefetch_part<T, G, PF, 32>(c, gb, 4 * j + v);
+                        prefetch_part<T, G, PF, 32>(lines_at, 4 * j + v);
                         const I w0 = k_weights_of<T, G>(gb, j, v), w1 = k_weights_of<T, G>(gb, j + 1, v);
                         for (int i = 0; i < R; i++) {
                             const int8_t* xv = xb[i] + 32 * j + 4 * v;
