@@ -420,14 +420,15 @@ QG_AVX512 void groupk_avx512(const Ctx& c, int64_t n, int64_t m0) {
             for (int k = 0; k < G; k++) ks[k] = KScales(gb[k] + L::sc);
             sub_k_mins<G, R>(acc, ks, x, b, gb);  // the mins first
             if constexpr (kTallTile<T, G> && R > 4) {
-                // Streamed, unrolled: as a loop (GCC's choice) each step worked out its spread
-                // prefetch's line at run time, ~300 scalar instructions beside a sub-block's 64
-                // vpdpbusd (8 rows). On a 2-vCPU Zen 5, one thread, in L2, cycles per 16 rows x 256
-                // at 5 / 6 / 8 rows: 333 / 388 / 492 -> 263 / 307 / 408; the 1.5B's 8-row forward
-                // 31.2 -> 29.6 ms. Unstreamed (no prefetch) it stays a loop: unrolled, 16 and 64 rows
-                // ran 3-4% faster but prefill's 512 and 1,024 4-7% slower. The same operations in the
-                // same order either way: the same bits.
-                if constexpr (PF) {
+                // Unrolled where the steps spread the block's prefetches (kSpreadPrefetch, streamed):
+                // as a loop (GCC's choice) each step worked out its prefetch's line at run time, ~300
+                // scalar instructions beside a sub-block's 64 vpdpbusd (8 rows). On a 2-vCPU Zen 5,
+                // one thread, in L2, cycles per 16 rows x 256 at 5 / 6 / 8 rows: 333-356 / 388-422 /
+                // 492-522 -> 263-290 / 307-336 / 408-438; the 1.5B's 8-row forward 31.2-32.5 ->
+                // 29.6-30.8 ms. Elsewhere it stays a loop: without the spread, unrolled, 8 rows took
+                // 477 against 445; unstreamed, 16 and 64 rows ran 3-4% faster but prefill's 512 and
+                // 1,024 4-7% slower. The same operations in the same order either way: the same bits.
+                if constexpr (PF && kSpreadPrefetch<T, G>) {
 #pragma GCC unroll 8
                     for (int j = 0; j < 8; j++) tall_sub_block<T, G, R, PF>(gb, j, lines_at, xb, ks, isum);
                 } else {
