@@ -126,6 +126,10 @@ QG_AVX2 inline void prefetch_lines(const Ctx& c, const uint8_t* p, int bytes) {
 template <int T, int G>
 constexpr bool kSpreadPrefetch = kSpreadPrefetchOn && block_values(T) == 256 &&
                                  (G == 2 || (kPrefetchNear == 0 && !kHardwarePrefetched<T>));
+// Whether a tile of G groups that streams (PF) spreads its blocks' prefetches: what every
+// spreading step, and the prefetches it replaces, ask.
+template <int T, int G, bool PF>
+constexpr bool kSpreads = PF && kSpreadPrefetch<T, G>;
 // A prefetch of p's line into the cache kPrefetchLocality names: __builtin_prefetch's instruction,
 // in inline assembly, for GCC dropped prefetch_share's __builtin_prefetch calls. (The bursts,
 // prefetch_bytes, keep the builtin: every CPU's tiles were tuned with the code it makes.)
@@ -463,7 +467,7 @@ QG_AVX2 void groupk_avx2(const Ctx& c, int64_t n, int64_t m0) {
     for (int64_t b = 0; b < c.nb; b++) {
         const uint8_t* gb = g + b * L::group_bytes;
         // (1-row tiles only: with the prefetches in its steps GCC no longer unrolled Q5_K's 4-row one)
-        constexpr bool spread = PF && !V && R == 1 && kSpreadPrefetch<T, 1>;
+        constexpr bool spread = !V && R == 1 && kSpreads<T, 1, PF>;
         if constexpr (PF && !spread) prefetch_group<T>(c, gb, L::group_bytes);
         const uint8_t* lines_at[1];
         if constexpr (spread) {

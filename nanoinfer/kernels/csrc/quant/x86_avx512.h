@@ -160,7 +160,7 @@ QG_AVX512 inline void q6_offsets(const int32_t* p, __m256i& first, __m256i& seco
 }
 
 // Block b of each of the G groups from row n on (group_bytes each), prefetching ahead when PF
-// (where kSpreadPrefetch, the tile's steps issue those lines instead: prefetch_part below).
+// (where kSpreads, the tile's steps issue those lines instead: prefetch_part below).
 // One group streams its rows' bytes in memory order, prefetched as prefetch_group says.
 // Two groups lie side by side and are read in step, so a fixed distance ahead of the first one's
 // block lands in the second group, a block or so before that group reads it: half the stream
@@ -172,7 +172,7 @@ template <int T, int G, bool PF>
 QG_AVX512 inline void group_blocks(const Ctx& c, int64_t n, int64_t b, int group_bytes, const uint8_t** gb) {
     for (int k = 0; k < G; k++) {
         gb[k] = c.w + (n + kGroup * k) * c.rb + b * group_bytes;
-        if constexpr (PF && kSpreadPrefetch<T, G>) {
+        if constexpr (kSpreads<T, G, PF>) {
             step_side(c);
         } else {
             if constexpr (PF && G == 1) prefetch_group<T>(c, gb[k], group_bytes);
@@ -181,16 +181,16 @@ QG_AVX512 inline void group_blocks(const Ctx& c, int64_t n, int64_t b, int group
     }
 }
 
-// Where the tile's steps prefetch block b's lines (spread_bases), if it spreads them (kSpreadPrefetch).
+// Where the tile's steps prefetch block b's lines (spread_bases), if it spreads them (kSpreads).
 template <int T, int G, bool PF>
 QG_AVX512 inline void spread_bases_of(const Ctx& c, const uint8_t* const* gb, const uint8_t** at) {
-    if constexpr (PF && kSpreadPrefetch<T, G>) spread_bases<G>(c, gb, at);
+    if constexpr (kSpreads<T, G, PF>) spread_bases<G>(c, gb, at);
 }
 // Part `part` of `Parts` of the lines group_blocks would prefetch for block b (from `at`:
 // spread_bases_of), where the tile spreads them.
 template <int T, int G, bool PF, int Parts>
 QG_AVX512 inline void prefetch_part(const uint8_t* const* at, int part) {
-    if constexpr (PF && kSpreadPrefetch<T, G>) prefetch_share<PackedK<T>::group_bytes, G, Parts>(at, part);
+    if constexpr (kSpreads<T, G, PF>) prefetch_share<PackedK<T>::group_bytes, G, Parts>(at, part);
 }
 
 // Rows m0 .. m0 + R - 1 of the tile's outputs n .. n + 8G - 1, plus the bias.
@@ -420,7 +420,7 @@ QG_AVX512 void groupk_avx512(const Ctx& c, int64_t n, int64_t m0) {
             for (int k = 0; k < G; k++) ks[k] = KScales(gb[k] + L::sc);
             sub_k_mins<G, R>(acc, ks, x, b, gb);  // the mins first
             if constexpr (kTallTile<T, G> && R > 4) {
-                // Unrolled where the steps spread the block's prefetches (kSpreadPrefetch, streamed):
+                // Unrolled where the steps spread the block's prefetches (kSpreads):
                 // as a loop (GCC's choice) each step worked out its prefetch's line at run time, ~300
                 // scalar instructions beside a sub-block's 64 vpdpbusd (8 rows). On a 2-vCPU Zen 5,
                 // one thread, in L2, cycles per 16 rows x 256 at 5 / 6 / 8 rows: 333-356 / 388-422 /
@@ -428,7 +428,7 @@ QG_AVX512 void groupk_avx512(const Ctx& c, int64_t n, int64_t m0) {
                 // 29.6-30.8 ms. Elsewhere it stays a loop: without the spread, unrolled, 8 rows took
                 // 477 against 445; unstreamed, 16 and 64 rows ran 3-4% faster but prefill's 512 and
                 // 1,024 4-7% slower. The same operations in the same order either way: the same bits.
-                if constexpr (PF && kSpreadPrefetch<T, G>) {
+                if constexpr (kSpreads<T, G, PF>) {
 #pragma GCC unroll 8
                     for (int j = 0; j < 8; j++) tall_sub_block<T, G, R, PF>(gb, j, lines_at, xb, ks, isum);
                 } else {
