@@ -236,9 +236,9 @@ def test_paths_agree_bit_for_bit(qtype):
     w = torch.from_numpy(make_weights(qtype, N, K, seed=4))
     layouts = [(w, False)] + ([(layout(w, qtype, K, True), True)] if qtype in REPACKABLE else [])
     x = torch.randn(41, K, generator=torch.Generator().manual_seed(5))
-    # the decode tiles (one x row against 4 or 8 weight rows), one-pass 5 to 8 rows, the batched ones;
+    # the decode tiles (1-4 x rows against 4 or 8 weight rows), one-pass 5 to 8 rows, the batched ones;
     # 33 and 41: AMX's A tiles of 16 and 16 with a row on the AVX-512 tiles, and of 16, 16 and 9
-    for M in (1, 5, 6, 7, 17, 33, 41):
+    for M in (1, 2, 3, 4, 5, 6, 7, 17, 33, 41):
         outs = [y for _, _, y in on_every_path(x[:M].contiguous(), layouts, qtype)]
         for y in outs[1:]:
             assert torch.equal(bits(y), bits(outs[0])), f"M={M}"
@@ -538,6 +538,50 @@ def test_parameters_and_default_dtype():
         torch.set_default_dtype(old)
     assert y.dtype == torch.float32 and torch.equal(y, want)
 
+
+
+# Q4_K's and Q6_K's one-group tiles on the AVX-512 path come in two forms: each row's sums in a
+# pair of 512-bit lanes (QG_PAIRED_LANES, the build on AMD's Zen 5) or on 256-bit vectors (the
+# build elsewhere). The tests above run this CPU's form; the fixture builds the other one.
+PAIRED_HERE = "-DQG_PAIRED_LANES=1" in cpu_kernels._flags()
+
+
+@pytest.fixture(scope="module")
+def other_k_quant_tiles():
+    """csrc/quant_gemm.cpp built with the form of those tiles this CPU's build leaves out (through
+    SIMDe where the CPU lacks AVX-512)."""
+    import ctypes
+
+    flags = "-UQG_PAIRED_LANES -DQG_PAIRED_LANES=0" if PAIRED_HERE else "-DQG_PAIRED_LANES=1"
+    if "avx512" not in quant.paths():
+        if not emulated_build.SIMDE_AVX512.exists():
+            pytest.skip("no AVX-512 here and SIMDe's headers are missing (Debian: libsimde-dev)")
+        flags += " -DQG_EMULATE_AVX512"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("NANOINFER_CXXFLAGS", f"{os.environ.get('NANOINFER_CXXFLAGS', '')} {flags}")
+        path, err = cpu_kernels.build(cpu_kernels.find_compiler(), cpu_kernels.CSRC,
+                                      [cpu_kernels.CSRC / "quant_gemm.cpp"])
+    assert err is None, err
+    lib = ctypes.CDLL(str(path))
+    cpu_kernels.declare_quant(lib)
+    return lib
+
+
+@pytest.mark.parametrize("qtype", (T.Q4_K, T.Q6_K), ids=lambda t: T(t).name)
+def test_the_other_form_of_the_one_group_k_quant_tiles(qtype, other_k_quant_tiles, monkeypatch):
+    """The form this CPU's build leaves out, on the AVX-512 path: close to the dequantised
+    weights, a row's bits the same in any batch, and the portable kernel's bits, at every row
+    count that takes the one-group tiles."""
+    monkeypatch.setattr(cpu_kernels, "library", lambda: other_k_quant_tiles)
+    assert "avx512" in quant.paths()
+    quant.set_path("avx512")
+    try:
+        test_matches_dequantised((qtype, True), "avx512")
+        test_rows_do_not_depend_on_the_batch((qtype, True), "avx512", 37)
+    finally:
+        quant.set_path(None)
+    test_paths_agree_bit_for_bit(qtype)
+    test_paths_agree_bit_for_bit_at_the_integer_extremes(qtype)
 
 
 def test_simd_paths_through_emulation():

@@ -98,8 +98,10 @@ def _vendor_flags(cpuinfo: str | None = None) -> list[str]:
     as two 256-bit halves); on Zen 4 (family 25 with AVX-512) Q8_0's and Q4_K's one-group streams
     are left to the hardware prefetcher (kHardwarePrefetched: a bit per GGML type id); on AMD
     family 26 (Zen 5; measured on an EPYC, whose 512-bit datapath is full width) decode attention
-    runs on 512-bit vectors, calls of one row take the 256-bit tiles, and the K-quant tiles spread
-    a block's prefetches over its steps (kSpreadPrefetch)."""
+    runs on 512-bit vectors, calls of one row take the 256-bit tiles, the K-quant tiles spread
+    a block's prefetches over its steps (kSpreadPrefetch), and Q4_K's and Q6_K's one-group tiles
+    run on 512-bit vectors with a row's sums in a pair of lanes, Q4_K's for calls of up to 4 rows
+    (kPairedTile)."""
     cpu = first_processor(cpuinfo)
     vendor, family = cpu.get("vendor_id"), cpu.get("cpu family")
     if vendor == "GenuineIntel":
@@ -111,7 +113,7 @@ def _vendor_flags(cpuinfo: str | None = None) -> list[str]:
         return ["-DQG_PREFETCH_LOCALITY=2", "-DQG_NARROW_TILE_ROWS=1"] + (
             [f"-DQG_UNPREFETCHED_TYPES={1 << GGMLQuantizationType.Q8_0 | 1 << GGMLQuantizationType.Q4_K}"] if zen4 else [])
     if vendor == "AuthenticAMD" and family == "26":
-        return ["-DPA_WIDE_VECTORS", "-DQG_NARROW_TILE_ROWS=1", "-DQG_SPREAD_PREFETCH=1"]
+        return ["-DPA_WIDE_VECTORS", "-DQG_NARROW_TILE_ROWS=1", "-DQG_SPREAD_PREFETCH=1", "-DQG_PAIRED_LANES=1"]
     return []
 
 

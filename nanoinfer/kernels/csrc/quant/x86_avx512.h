@@ -459,9 +459,150 @@ QG_AVX512 void groupk_avx512(const Ctx& c, int64_t n, int64_t m0) {
     store_groups<G, R>(c, n, m0, acc);
 }
 
+// Where cpu_kernels.py sets QG_PAIRED_LANES (AMD's Zen 5), Q4_K's and Q6_K's one-group tiles run
+// on 512-bit vectors with each row's sums in a pair of lanes (groupk_paired_avx512), and Q4_K's
+// calls of up to 4 rows take them (kNarrowRows) instead of the 16-row tiles.
+#ifndef QG_PAIRED_LANES
+#define QG_PAIRED_LANES 0
+#endif
+template <int T, int G>
+constexpr bool kPairedTile = QG_PAIRED_LANES && G == 1 && (T == Q4_K || T == Q6_K);
+
+// A one-group block's vectors as stored hold 4 values of each of its 8 rows (lane j: row j). Two
+// vectors of the same 8 rows side by side, v and the one of the next 4 values, are one 512-bit
+// vector whose lanes are interleaved (lanes 2j and 2j + 1: row j's 8 values), and they meet the
+// 8 activation values there as one broadcast 64-bit pair (v_dot8).
+alignas(64) const int32_t kInterleaveOne[16] = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15};
+alignas(64) const int32_t kInterleaveTwo[16] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+alignas(64) const int32_t kEachLaneTwice[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
+// The 64 bytes at p, interleaved: two neighbouring vectors (Q4_K's)
+QG_AVX512 inline __m512i interleaved(const uint8_t* p) {
+    return _mm512_permutexvar_epi32(_mm512_load_si512(kInterleaveOne), _mm512_loadu_si512(p));
+}
+// ... and two vectors apart from each other (Q6_K's vectors v and v + 1 of a byte c)
+QG_AVX512 inline __m512i interleaved(const uint8_t* a, const uint8_t* b) {
+    return _mm512_permutex2var_epi32(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+                                     _mm512_load_si512(kInterleaveTwo),
+                                     _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b))));
+}
+// acc + the 4 products u8 x s8 of each 32-bit lane, the 8 activation values at x as a 64-bit pair
+// in every pair of lanes (vpdpbusd broadcasts 32 bits at most: a broadcast of its own).
+QG_AVX512 inline __m512i v_dot8(__m512i acc, __m512i w, const int8_t* x) {
+    int64_t pair;
+    std::memcpy(&pair, x, sizeof pair);
+    return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi64(pair));
+}
+// Each row's lanes 2j and 2j + 1 added, as 8 lanes (lane j: row j).
+QG_AVX512 inline __m256i row_sums(__m512i pairs) {
+    return _mm512_cvtepi64_epi32(_mm512_add_epi32(pairs, _mm512_srli_epi64(pairs, 32)));
+}
+
+// groupk_avx512 for one group (G = 1) with each row's sums in a pair of lanes: the block's
+// vectors two at a time (interleaved), so 512-bit vectors do the work of a 256-bit tile's two.
+// A sub-block's (Q6_K: a group's) products go into a chain a row in both lanes (Q6_K's from its
+// -32 x sum(x), Ctx::qo, in the even lane), times the row's scale in both lanes (its scales read
+// once a block with each lane twice), into the row's int32 pair; the pair's two lanes are added
+// at the block's end and the float steps are groupk_avx512's. The integers are the same sums, so
+// the same bits. Against groupk_avx512 on a 2-vCPU Zen 5 (one thread, a slice of Qwen2.5-Coder
+// 1.5B's weights in L2, cycles per 16 rows x 256 at 1 / 2 / 3 / 4 rows): Q6_K 241 / 331 / 436 /
+// 485 -> 223 / 219 / 294 / 327, Q4_K at one row 170 -> 117 (at 2-4 rows the 16-row tiles compute
+// in 150 / 187 / 237 against these 180 / 236 / 276, but read two streams; docs/benchmarks.md,
+// the fifth Zen 5 section, has what each does to the forwards).
+template <int T, int R, bool PF>
+QG_AVX512 void groupk_paired_avx512(const Ctx& c, int64_t n, int64_t m0) {
+    using L = PackedK<T>;
+    const KActs<R> x(c, m0);
+    const __m512i twice = _mm512_load_si512(kEachLaneTwice);
+    __m256 acc[R];
+    for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < c.nb; b++) {
+        const uint8_t* gb[1];
+        group_blocks<T, 1, PF>(c, n, b, L::group_bytes, gb);
+        const uint8_t* lines_at[1];
+        spread_bases_of<T, 1, PF>(c, gb, lines_at);
+        const int8_t* xb[R];
+        for (int i = 0; i < R; i++) xb[i] = x.xq[i] + b * QK;
+        __m512i isum[R];
+        for (int i = 0; i < R; i++) isum[i] = _mm512_setzero_si512();
+        if constexpr (T == Q6_K) {
+            __m512i sc[4];  // lanes 2j, 2j + 1: row j's scales 4w .. 4w + 3
+            for (int w = 0; w < 4; w++)
+                sc[w] = _mm512_permutexvar_epi32(twice, _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb[0] + L::q6_sc + 32 * w))));
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++)
+#pragma GCC unroll 2
+                for (int u = 0; u < 2; u++) {  // the groups of values 32t + 16u + (0..15): 8h + 2t + u
+                    __m512i raw[2][3];  // bytes c of vectors v and v + 1, v = 4u + 2k
+                    for (int k = 0; k < 2; k++)
+                        for (int cc = 0; cc < 3; cc++)
+                            raw[k][cc] = interleaved(gb[0] + q6_vector(h, 4 * u + 2 * k, cc), gb[0] + q6_vector(h, 4 * u + 2 * k + 1, cc));
+#pragma GCC unroll 4
+                    for (int t = 0; t < 4; t++) {
+                        const int g = 8 * h + 2 * t + u;
+                        __m512i p[R];
+                        for (int i = 0; i < R; i++) p[i] = _mm512_maskz_set1_epi32(0x5555, x.xqo[i][kSums16 * b + g]);
+#pragma GCC unroll 2
+                        for (int k = 0; k < 2; k++) {
+                            prefetch_part<T, 1, PF, 32>(lines_at, 16 * h + 8 * u + 4 * k + t);
+                            __m512i w;  // q6_weights_of's values, from the interleaved bytes
+                            if (t < 3) {
+                                w = _mm512_and_si512(raw[k][t], _mm512_set1_epi8(63));
+                            } else {
+                                const __m512i b01 = _mm512_and_si512(_mm512_srli_epi16(raw[k][0], 6), _mm512_set1_epi8(3));
+                                const __m512i b23 = _mm512_and_si512(_mm512_srli_epi16(raw[k][1], 4), _mm512_set1_epi8(12));
+                                const __m512i b45 = _mm512_and_si512(_mm512_srli_epi16(raw[k][2], 2), _mm512_set1_epi8(48));
+                                w = _mm512_or_si512(_mm512_or_si512(b01, b23), b45);
+                            }
+                            for (int i = 0; i < R; i++) p[i] = v_dot8(p[i], w, xb[i] + 128 * h + 32 * t + 4 * (4 * u + 2 * k));
+                        }
+                        const __m512i s = _mm512_srai_epi32(_mm512_slli_epi32(sc[g / 4], 24 - 8 * (g % 4)), 24);
+                        for (int i = 0; i < R; i++) {
+                            isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(p[i], s));
+                            asm("" : "+v"(isum[i]));
+                        }
+                    }
+                }
+        } else {
+            KScales ks[1] = {KScales(gb[0] + L::sc)};
+            sub_k_mins<1, R>(acc, ks, x, b, gb);  // the mins first
+            const __m512i lo = _mm512_permutexvar_epi32(twice, _mm512_castsi256_si512(ks[0].sc_lo));
+            const __m512i hi = _mm512_permutexvar_epi32(twice, _mm512_castsi256_si512(ks[0].sc_hi));
+#pragma GCC unroll 4
+            for (int j = 0; j < 8; j += 2) {  // sub-block j: the low nibbles, j + 1: the high ones
+                __m512i p0[R], p1[R];
+                for (int i = 0; i < R; i++) p0[i] = p1[i] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; k++) {  // vectors 2k and 2k + 1
+                    prefetch_part<T, 1, PF, 16>(lines_at, 2 * j + k);
+                    const __m512i q = interleaved(gb[0] + L::qs + 32 * (8 * (j / 2) + 2 * k));
+                    const __m512i w0 = _mm512_and_si512(q, _mm512_set1_epi8(15));
+                    const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(q, 4), _mm512_set1_epi8(15));
+                    for (int i = 0; i < R; i++) {
+                        p0[i] = v_dot8(p0[i], w0, xb[i] + 32 * j + 8 * k);
+                        p1[i] = v_dot8(p1[i], w1, xb[i] + 32 * j + 32 + 8 * k);
+                    }
+                }
+                const auto scale = [&](int s) {  // KScales::scale32's bytes, each lane twice
+                    const __m128i pick = _mm_load_si128(reinterpret_cast<const __m128i*>(kByte32[s & 3]));
+                    return _mm512_shuffle_epi8(s < 4 ? lo : hi, _mm512_broadcast_i32x4(pick));
+                };
+                const __m512i s0 = scale(j), s1 = scale(j + 1);
+                for (int i = 0; i < R; i++) {
+                    isum[i] = _mm512_add_epi32(isum[i], _mm512_add_epi32(_mm512_mullo_epi32(p0[i], s0), _mm512_mullo_epi32(p1[i], s1)));
+                    asm("" : "+v"(isum[i]));
+                }
+            }
+        }
+        const __m256 dv = halves_of<1>(gb, T == Q6_K ? L::q6_d : 0);
+        for (int i = 0; i < R; i++) acc[i] = v_fma(acc[i], dv, x.xd[i] + b, row_sums(isum[i]));
+    }
+    store_groups<1, R>(c, n, m0, acc);
+}
+
 template <int T, int R, bool PF, int G>
 QG_AVX512 void group_avx512(const Ctx& c, int64_t n, int64_t m0) {
     if constexpr (block_values(T) == 32) group32_avx512<T, R, PF, G>(c, n, m0);
+    else if constexpr (kPairedTile<T, G>) groupk_paired_avx512<T, R, PF>(c, n, m0);
     else groupk_avx512<T, R, PF, G>(c, n, m0);
 }
 
@@ -507,10 +648,11 @@ QG_AVX512 void groups_avx512(const Ctx& c, int64_t n, int64_t m0, int mt) {
 // Where a CPU takes narrow tiles (kNarrowTileRows), Q6_K takes them up to 4 rows: streamed as in
 // kNarrowTileRows' figures, 8-row tiles against 16-row ones at 1-4 rows K = 1536: 73-77 / 83-101,
 // 73-75 / 86-87, 78-82 / 88-90, 87-89 / 98-101 (K = 8960 alike), at 5 rows 121 / 102 (K = 8960:
-// 140-144 / 121-123).
+// 140-144 / 121-123). Where the one-group tiles pair their lanes (kPairedTile), Q4_K takes them up
+// to 4 rows too.
 template <int T>
 constexpr int64_t kNarrowRows = !kNarrowType<T> ? 0
-                                : T == Q6_K && kNarrowTileRows > 0 ? std::max<int64_t>(kNarrowTileRows, 4) : kNarrowTileRows;
+                                : (T == Q6_K && kNarrowTileRows > 0) || kPairedTile<T, 1> ? std::max<int64_t>(kNarrowTileRows, 4) : kNarrowTileRows;
 
 // rows_avx2's work split, with the groups above: 16 rows (two groups) on 512-bit vectors where
 // the driver hands them out together, in calls of more than kNarrowRows rows.
