@@ -504,10 +504,12 @@ QG_AVX512 inline __m256i row_sums(__m512i pairs) {
 // once a block with each lane twice), into the row's int32 pair; the pair's two lanes are added
 // at the block's end and the float steps are groupk_avx512's. The integers are the same sums, so
 // the same bits. Against groupk_avx512 on a 2-vCPU Zen 5 (one thread, a slice of Qwen2.5-Coder
-// 1.5B's weights in L2, cycles per 16 rows x 256 at 1 / 2 / 3 / 4 rows): Q6_K 241 / 331 / 436 /
-// 485 -> 223 / 219 / 294 / 327, Q4_K at one row 170 -> 117 (at 2-4 rows the 16-row tiles compute
-// in 150 / 187 / 237 against these 180 / 236 / 276, but read two streams; docs/benchmarks.md,
-// the fifth Zen 5 section, has what each does to the forwards).
+// 1.5B's weights in L2, cycles per 16 rows x 256 at 1 / 2 / 3 / 4 rows, three runs): Q6_K 258-266 /
+// 346-364 / 457-471 / 497-543 -> 168-174 / 256-271 / 355-382 / 365-425, Q4_K at one row 177-193 ->
+// 125-131 (at 2-4 rows the 16-row tiles compute in 152-170 / 201-211 / 244-276 against these
+// 191-199 / 251-264 / 294-310, but read two streams: the 1.5B's 4-row forward took 0.96x the time
+// in the slow state this way and the same in the fast one; docs/benchmarks.md, the fifth Zen 5
+// section).
 template <int T, int R, bool PF>
 QG_AVX512 void groupk_paired_avx512(const Ctx& c, int64_t n, int64_t m0) {
     using L = PackedK<T>;
