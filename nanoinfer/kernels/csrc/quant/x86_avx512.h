@@ -133,13 +133,22 @@ QG_AVX512 inline VecI<G> k_weights_of(const uint8_t* const* gb, int j, int v) {
     }
     return wv;
 }
+// Q6_K's 6-bit values from a vector's bytes c = t < 3 (their low 6 bits: values t), and the fourth
+// values (t = 3) from the top 2 bits of the three (q6_group_byte's layout).
+template <int G>
+QG_AVX512 inline VecI<G> q6_low_values(VecI<G> c) { return v_and(c, bytes_of<G>(63)); }
+template <int G>
+QG_AVX512 inline VecI<G> q6_fourth_values(VecI<G> c0, VecI<G> c1, VecI<G> c2) {
+    const VecI<G> b01 = v_and(v_srli16(c0, 6), bytes_of<G>(3));
+    const VecI<G> b23 = v_and(v_srli16(c1, 4), bytes_of<G>(12));
+    const VecI<G> b45 = v_and(v_srli16(c2, 2), bytes_of<G>(48));
+    return v_or(v_or(b01, b23), b45);
+}
 template <int G>
 QG_AVX512 inline VecI<G> q6_weights_of(const uint8_t* const* gb, int h, int t, int v) {
-    if (t < 3) return v_and(load_groups<G>(gb, q6_vector(h, v, t)), bytes_of<G>(63));
-    const VecI<G> b01 = v_and(v_srli16(load_groups<G>(gb, q6_vector(h, v, 0)), 6), bytes_of<G>(3));
-    const VecI<G> b23 = v_and(v_srli16(load_groups<G>(gb, q6_vector(h, v, 1)), 4), bytes_of<G>(12));
-    const VecI<G> b45 = v_and(v_srli16(load_groups<G>(gb, q6_vector(h, v, 2)), 2), bytes_of<G>(48));
-    return v_or(v_or(b01, b23), b45);
+    if (t < 3) return q6_low_values<G>(load_groups<G>(gb, q6_vector(h, v, t)));
+    return q6_fourth_values<G>(load_groups<G>(gb, q6_vector(h, v, 0)), load_groups<G>(gb, q6_vector(h, v, 1)),
+                               load_groups<G>(gb, q6_vector(h, v, 2)));
 }
 
 // Q6_K's offsets of groups g and g + 1 (at p), each in every lane of a 256-bit vector, from one
@@ -492,6 +501,10 @@ QG_AVX512 inline __m512i v_dot8(__m512i acc, __m512i w, const int8_t* x) {
     std::memcpy(&pair, x, sizeof pair);
     return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi64(pair));
 }
+// pick_bytes on 512-bit vectors: its 32-byte pattern's first 16 in every 128-bit lane.
+QG_AVX512 inline __m512i pick_bytes(__m512i v, const uint8_t* pattern) {
+    return _mm512_shuffle_epi8(v, _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(pattern))));
+}
 // Each row's lanes 2j and 2j + 1 added, as 8 lanes (lane j: row j).
 QG_AVX512 inline __m256i row_sums(__m512i pairs) {
     return _mm512_cvtepi64_epi32(_mm512_add_epi32(pairs, _mm512_srli_epi64(pairs, 32)));
@@ -546,18 +559,11 @@ QG_AVX512 void groupk_paired_avx512(const Ctx& c, int64_t n, int64_t m0) {
 #pragma GCC unroll 2
                         for (int k = 0; k < 2; k++) {
                             prefetch_part<T, 1, PF, 32>(lines_at, 16 * h + 8 * u + 4 * k + t);
-                            __m512i w;  // q6_weights_of's values, from the interleaved bytes
-                            if (t < 3) {
-                                w = _mm512_and_si512(raw[k][t], _mm512_set1_epi8(63));
-                            } else {
-                                const __m512i b01 = _mm512_and_si512(_mm512_srli_epi16(raw[k][0], 6), _mm512_set1_epi8(3));
-                                const __m512i b23 = _mm512_and_si512(_mm512_srli_epi16(raw[k][1], 4), _mm512_set1_epi8(12));
-                                const __m512i b45 = _mm512_and_si512(_mm512_srli_epi16(raw[k][2], 2), _mm512_set1_epi8(48));
-                                w = _mm512_or_si512(_mm512_or_si512(b01, b23), b45);
-                            }
+                            const __m512i w = t < 3 ? q6_low_values<2>(raw[k][t])
+                                                    : q6_fourth_values<2>(raw[k][0], raw[k][1], raw[k][2]);
                             for (int i = 0; i < R; i++) p[i] = v_dot8(p[i], w, xb[i] + 128 * h + 32 * t + 4 * (4 * u + 2 * k));
                         }
-                        const __m512i s = _mm512_srai_epi32(_mm512_slli_epi32(sc[g / 4], 24 - 8 * (g % 4)), 24);
+                        const __m512i s = _mm512_srai_epi32(pick_bytes(sc[g / 4], kByteHi32[g % 4]), 24);  // Q6Scales::scale32
                         for (int i = 0; i < R; i++) {
                             isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(p[i], s));
                             asm("" : "+v"(isum[i]));
@@ -584,11 +590,8 @@ QG_AVX512 void groupk_paired_avx512(const Ctx& c, int64_t n, int64_t m0) {
                         p1[i] = v_dot8(p1[i], w1, xb[i] + 32 * j + 32 + 8 * k);
                     }
                 }
-                const auto scale = [&](int s) {  // KScales::scale32's bytes, each lane twice
-                    const __m128i pick = _mm_load_si128(reinterpret_cast<const __m128i*>(kByte32[s & 3]));
-                    return _mm512_shuffle_epi8(s < 4 ? lo : hi, _mm512_broadcast_i32x4(pick));
-                };
-                const __m512i s0 = scale(j), s1 = scale(j + 1);
+                const __m512i s0 = pick_bytes(j < 4 ? lo : hi, kByte32[j & 3]);  // KScales::scale32
+                const __m512i s1 = pick_bytes(j + 1 < 4 ? lo : hi, kByte32[(j + 1) & 3]);
                 for (int i = 0; i < R; i++) {
                     isum[i] = _mm512_add_epi32(isum[i], _mm512_add_epi32(_mm512_mullo_epi32(p0[i], s0), _mm512_mullo_epi32(p1[i], s1)));
                     asm("" : "+v"(isum[i]));
