@@ -540,7 +540,7 @@ def test_parameters_and_default_dtype():
 
 
 
-# Q4_K's and Q6_K's one-group tiles on the AVX-512 path come in two forms: each row's sums in a
+# The K-quants' one-group tiles on the AVX-512 path come in two forms: each row's sums in a
 # pair of 512-bit lanes (QG_PAIRED_LANES, the build on AMD's Zen 5) or on 256-bit vectors (the
 # build elsewhere). The tests above run this CPU's form; the fixture builds the other one.
 PAIRED_HERE = "-DQG_PAIRED_LANES=1" in cpu_kernels._flags()
@@ -567,7 +567,7 @@ def other_k_quant_tiles():
     return lib
 
 
-@pytest.mark.parametrize("qtype", (T.Q4_K, T.Q6_K), ids=lambda t: T(t).name)
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: T(t).name)
 def test_the_other_form_of_the_one_group_k_quant_tiles(qtype, other_k_quant_tiles, monkeypatch):
     """The form this CPU's build leaves out, on the AVX-512 path: close to the dequantised
     weights, a row's bits the same in any batch, and the portable kernel's bits, at every row

@@ -99,8 +99,8 @@ def _vendor_flags(cpuinfo: str | None = None) -> list[str]:
     are left to the hardware prefetcher (kHardwarePrefetched: a bit per GGML type id); on AMD
     family 26 (Zen 5; measured on an EPYC, whose 512-bit datapath is full width) decode attention
     runs on 512-bit vectors, calls of one row take the 256-bit tiles, the K-quant tiles spread
-    a block's prefetches over its steps (kSpreadPrefetch), and Q4_K's and Q6_K's one-group tiles
-    run on 512-bit vectors with a row's sums in a pair of lanes, Q4_K's for calls of up to 4 rows
+    a block's prefetches over its steps (kSpreadPrefetch), and the K-quants' one-group tiles run
+    on 512-bit vectors with a row's sums in a pair of lanes, for calls of up to 4 rows
     (kPairedTile)."""
     cpu = first_processor(cpuinfo)
     vendor, family = cpu.get("vendor_id"), cpu.get("cpu family")

@@ -122,15 +122,19 @@ QG_AVX512 inline VecF<G> halves_of(const uint8_t* const* gb, int at) {
 }
 
 // k_weights and q6_weights for G groups at once.
+// Q4_K's and Q5_K's 4 low bits of sub-block j's values from their bytes q (j odd: the high
+// nibbles), and Q5_K's fifth bit (bit j of its qh bytes h) at bit 4.
+template <int G>
+QG_AVX512 inline VecI<G> k_nibbles(VecI<G> q, int j) { return v_and(j & 1 ? v_srli16(q, 4) : q, bytes_of<G>(15)); }
+template <int G>
+QG_AVX512 inline VecI<G> q5_fifth_bits(VecI<G> h, int j) {
+    return v_and(j < 4 ? v_slli16(h, 4 - j) : v_srli16(h, j - 4), bytes_of<G>(16));
+}
 template <int T, int G>
 QG_AVX512 inline VecI<G> k_weights_of(const uint8_t* const* gb, int j, int v) {
     using L = PackedK<T>;
-    const VecI<G> q = load_groups<G>(gb, L::qs + 32 * (8 * (j / 2) + v));
-    VecI<G> wv = v_and(j & 1 ? v_srli16(q, 4) : q, bytes_of<G>(15));
-    if constexpr (T == Q5_K) {
-        const VecI<G> h = load_groups<G>(gb, L::qh + 32 * v);
-        wv = v_or(wv, v_and(j < 4 ? v_slli16(h, 4 - j) : v_srli16(h, j - 4), bytes_of<G>(16)));
-    }
+    const VecI<G> wv = k_nibbles<G>(load_groups<G>(gb, L::qs + 32 * (8 * (j / 2) + v)), j);
+    if constexpr (T == Q5_K) return v_or(wv, q5_fifth_bits<G>(load_groups<G>(gb, L::qh + 32 * v), j));
     return wv;
 }
 // Q6_K's 6-bit values from a vector's bytes c = t < 3 (their low 6 bits: values t), and the fourth
@@ -468,14 +472,15 @@ QG_AVX512 void groupk_avx512(const Ctx& c, int64_t n, int64_t m0) {
     store_groups<G, R>(c, n, m0, acc);
 }
 
-// Where cpu_kernels.py sets QG_PAIRED_LANES (AMD's Zen 5), Q4_K's and Q6_K's one-group tiles run
-// on 512-bit vectors with each row's sums in a pair of lanes (groupk_paired_avx512), and Q4_K's
-// calls of up to 4 rows take them (kNarrowRows) instead of the 16-row tiles.
+// Where cpu_kernels.py sets QG_PAIRED_LANES (AMD's Zen 5), the K-quants' one-group tiles (Q4_K,
+// Q5_K, Q6_K) run on 512-bit vectors with each row's sums in a pair of lanes
+// (groupk_paired_avx512), and calls of up to 4 rows take them (kNarrowRows) instead of the 16-row
+// tiles.
 #ifndef QG_PAIRED_LANES
 #define QG_PAIRED_LANES 0
 #endif
 template <int T, int G>
-constexpr bool kPairedTile = QG_PAIRED_LANES && G == 1 && (T == Q4_K || T == Q6_K);
+constexpr bool kPairedTile = QG_PAIRED_LANES && G == 1 && block_values(T) == 256;
 
 // A one-group block's vectors as stored hold 4 values of each of its 8 rows (lane j: row j). Two
 // vectors of the same 8 rows side by side, v and the one of the next 4 values, are one 512-bit
@@ -484,7 +489,7 @@ constexpr bool kPairedTile = QG_PAIRED_LANES && G == 1 && (T == Q4_K || T == Q6_
 alignas(64) const int32_t kInterleaveOne[16] = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15};
 alignas(64) const int32_t kInterleaveTwo[16] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
 alignas(64) const int32_t kEachLaneTwice[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
-// The 64 bytes at p, interleaved: two neighbouring vectors (Q4_K's)
+// The 64 bytes at p, interleaved: two neighbouring vectors (Q4_K's and Q5_K's)
 QG_AVX512 inline __m512i interleaved(const uint8_t* p) {
     return _mm512_permutexvar_epi32(_mm512_load_si512(kInterleaveOne), _mm512_loadu_si512(p));
 }
@@ -519,10 +524,11 @@ QG_AVX512 inline __m256i row_sums(__m512i pairs) {
 // the same bits. Against groupk_avx512 on a 2-vCPU Zen 5 (one thread, a slice of Qwen2.5-Coder
 // 1.5B's weights in L2, cycles per 16 rows x 256 at 1 / 2 / 3 / 4 rows, three runs): Q6_K 258-266 /
 // 346-364 / 457-471 / 497-543 -> 168-174 / 256-271 / 355-382 / 365-425, Q4_K at one row 177-193 ->
-// 125-131 (at 2-4 rows the 16-row tiles compute in 152-170 / 201-211 / 244-276 against these
-// 191-199 / 251-264 / 294-310, but read two streams: the 1.5B's 4-row forward took 0.96x the time
-// in the slow state this way and the same in the fast one; docs/benchmarks.md, the fifth Zen 5
-// section).
+// 125-131, Q5_K (SmolLM2-135M's) 230 -> 153 (at 2-4 rows the 16-row tiles compute in 152-170 /
+// 201-211 / 244-276 against these 191-199 / 251-264 / 294-310, Q5_K's in 209 / 232 / 275 against
+// 209 / 275 / 343, but read two streams: the 1.5B's 4-row forward took 0.96x the time in the slow
+// state this way and the same in the fast one, and in Q5_K_M its 2- and 3-row ones 0.91x and
+// 0.93x; docs/benchmarks.md, the fifth Zen 5 section).
 template <int T, int R, bool PF>
 QG_AVX512 void groupk_paired_avx512(const Ctx& c, int64_t n, int64_t m0) {
     using L = PackedK<T>;
@@ -575,6 +581,9 @@ QG_AVX512 void groupk_paired_avx512(const Ctx& c, int64_t n, int64_t m0) {
             sub_k_mins<1, R>(acc, ks, x, b, gb);  // the mins first
             const __m512i lo = _mm512_permutexvar_epi32(twice, _mm512_castsi256_si512(ks[0].sc_lo));
             const __m512i hi = _mm512_permutexvar_epi32(twice, _mm512_castsi256_si512(ks[0].sc_hi));
+            __m512i qh[4];  // Q5_K: its high bits' vectors 2k and 2k + 1, interleaved
+            if constexpr (T == Q5_K)
+                for (int k = 0; k < 4; k++) qh[k] = interleaved(gb[0] + L::qh + 64 * k);
 #pragma GCC unroll 4
             for (int j = 0; j < 8; j += 2) {  // sub-block j: the low nibbles, j + 1: the high ones
                 __m512i p0[R], p1[R];
@@ -583,8 +592,8 @@ QG_AVX512 void groupk_paired_avx512(const Ctx& c, int64_t n, int64_t m0) {
                 for (int k = 0; k < 4; k++) {  // vectors 2k and 2k + 1
                     prefetch_part<T, 1, PF, 16>(lines_at, 2 * j + k);
                     const __m512i q = interleaved(gb[0] + L::qs + 32 * (8 * (j / 2) + 2 * k));
-                    const __m512i w0 = _mm512_and_si512(q, _mm512_set1_epi8(15));
-                    const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(q, 4), _mm512_set1_epi8(15));
+                    __m512i w0 = k_nibbles<2>(q, j), w1 = k_nibbles<2>(q, j + 1);
+                    if constexpr (T == Q5_K) w0 = v_or(w0, q5_fifth_bits<2>(qh[k], j)), w1 = v_or(w1, q5_fifth_bits<2>(qh[k], j + 1));
                     for (int i = 0; i < R; i++) {
                         p0[i] = v_dot8(p0[i], w0, xb[i] + 32 * j + 8 * k);
                         p1[i] = v_dot8(p1[i], w1, xb[i] + 32 * j + 32 + 8 * k);
@@ -653,8 +662,8 @@ QG_AVX512 void groups_avx512(const Ctx& c, int64_t n, int64_t m0, int mt) {
 // Where a CPU takes narrow tiles (kNarrowTileRows), Q6_K takes them up to 4 rows: streamed as in
 // kNarrowTileRows' figures, 8-row tiles against 16-row ones at 1-4 rows K = 1536: 73-77 / 83-101,
 // 73-75 / 86-87, 78-82 / 88-90, 87-89 / 98-101 (K = 8960 alike), at 5 rows 121 / 102 (K = 8960:
-// 140-144 / 121-123). Where the one-group tiles pair their lanes (kPairedTile), Q4_K takes them up
-// to 4 rows too.
+// 140-144 / 121-123). Where the one-group tiles pair their lanes (kPairedTile), Q4_K and Q5_K
+// take them up to 4 rows too.
 template <int T>
 constexpr int64_t kNarrowRows = !kNarrowType<T> ? 0
                                 : (T == Q6_K && kNarrowTileRows > 0) || kPairedTile<T, 1> ? std::max<int64_t>(kNarrowTileRows, 4) : kNarrowTileRows;
