@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import ctypes
-import os
 import shutil
 
 import pytest
 import torch
 
+import kernel_builds
 from nanoinfer import LLM, SamplingParams
 from nanoinfer.attention import AttentionParams, CpuPagedAttention, PagedKVCache, PagedMetadata, TorchPagedAttention
 from nanoinfer.attention.kv_cache import KVGroup
@@ -152,14 +152,7 @@ def attention_build(request):
     flags, runs_here = ATTENTION_BUILDS[request.param]
     if not runs_here:
         pytest.skip(f"this CPU cannot run the {request.param} build")
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("NANOINFER_CXXFLAGS", f"{os.environ.get('NANOINFER_CXXFLAGS', '')} {flags}")
-        path, err = cpu_kernels.build(cpu_kernels.find_compiler(), cpu_kernels.CSRC,
-                                      [cpu_kernels.CSRC / "paged_attention.cpp"])
-    assert err is None, err
-    lib = ctypes.CDLL(str(path))
-    cpu_kernels.declare_attention(lib)
-    return lib
+    return kernel_builds.built_with(flags, "paged_attention.cpp", cpu_kernels.declare_attention)
 
 
 @pytest.mark.parametrize("case", CASES)

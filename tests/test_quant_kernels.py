@@ -26,6 +26,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 import emulated_build
+import kernel_builds
 from nanoinfer.errors import SettingError
 from nanoinfer.kernels import cpu_kernels, quant
 from nanoinfer.tensors import QuantizedTensor
@@ -550,21 +551,12 @@ PAIRED_HERE = "-DQG_PAIRED_LANES=1" in cpu_kernels._flags()
 def other_k_quant_tiles():
     """csrc/quant_gemm.cpp built with the form of those tiles this CPU's build leaves out (through
     SIMDe where the CPU lacks AVX-512)."""
-    import ctypes
-
     flags = "-UQG_PAIRED_LANES -DQG_PAIRED_LANES=0" if PAIRED_HERE else "-DQG_PAIRED_LANES=1"
     if "avx512" not in quant.paths():
         if not emulated_build.SIMDE_AVX512.exists():
             pytest.skip("no AVX-512 here and SIMDe's headers are missing (Debian: libsimde-dev)")
         flags += " -DQG_EMULATE_AVX512"
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("NANOINFER_CXXFLAGS", f"{os.environ.get('NANOINFER_CXXFLAGS', '')} {flags}")
-        path, err = cpu_kernels.build(cpu_kernels.find_compiler(), cpu_kernels.CSRC,
-                                      [cpu_kernels.CSRC / "quant_gemm.cpp"])
-    assert err is None, err
-    lib = ctypes.CDLL(str(path))
-    cpu_kernels.declare_quant(lib)
-    return lib
+    return kernel_builds.built_with(flags, "quant_gemm.cpp", cpu_kernels.declare_quant)
 
 
 @pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: T(t).name)

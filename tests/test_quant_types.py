@@ -7,7 +7,6 @@ quant.dequantize_rows on every path.
 from __future__ import annotations
 
 import ctypes
-import os
 import shutil
 
 import numpy as np
@@ -16,6 +15,7 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
 
+import kernel_builds
 from nanoinfer.kernels import cpu_kernels, quant
 
 
@@ -100,12 +100,7 @@ def toy_library(tmp_path_factory):
         f.write(TOY_KERNELS)
     # at -O1 (the last -O wins): the toy's tests check records and bits, not speed, and the
     # file's AVX tiles take a third of -O3's 35 s to compile
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("NANOINFER_CXXFLAGS", f"{os.environ.get('NANOINFER_CXXFLAGS', '')} -O1")
-        path, err = cpu_kernels.build(compiler, csrc, [csrc / "quant_gemm.cpp"])
-    assert err is None, err
-    lib = ctypes.CDLL(str(path))
-    cpu_kernels.declare_quant(lib)
+    lib = kernel_builds.built_with("-O1", "quant_gemm.cpp", cpu_kernels.declare_quant, csrc)
     return lib, quant.read_records(csrc / "quant" / "types.def")
 
 
