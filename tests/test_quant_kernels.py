@@ -541,17 +541,28 @@ def test_parameters_and_default_dtype():
 
 
 
-# The K-quants' one-group tiles on the AVX-512 path come in two forms: each row's sums in a
-# pair of 512-bit lanes (QG_PAIRED_LANES, the build on AMD's Zen 5) or on 256-bit vectors (the
-# build elsewhere). The tests above run this CPU's form; the fixture builds the other one.
-PAIRED_HERE = "-DQG_PAIRED_LANES=1" in cpu_kernels._flags()
+# The K-quants' tiles on the AVX-512 path come in two forms each. The one-group tiles keep each
+# row's sums in a pair of 512-bit lanes (QG_PAIRED_LANES, the build on AMD's Zen 5) or run on
+# 256-bit vectors (the build elsewhere); Q5_K's and Q6_K's 16-row tiles take up to 8 rows a pass
+# where a call sweeps its weights from cache (QG_SWEPT_WIDE_TILE_ROWS=8 on Zen 5, or
+# QG_WIDE_TILE_ROWS=8 on Intel) or up to 6. And swept calls take their weights in chunks of
+# 16 rows or, on Zen 5, of up to 256 KiB (QG_SWEPT_CHUNK_BYTES). The tests above run this CPU's
+# forms; the fixture builds the other ones.
+BUILD_FLAGS = cpu_kernels._flags()
+CHUNKED_HERE = any(f.startswith("-DQG_SWEPT_CHUNK_BYTES=") and not f.endswith("=0") for f in BUILD_FLAGS)
+PAIRED_HERE = "-DQG_PAIRED_LANES=1" in BUILD_FLAGS
+SWEPT_EIGHT_HERE = ("-DQG_SWEPT_WIDE_TILE_ROWS=8" in BUILD_FLAGS
+                    or ("-DQG_WIDE_TILE_ROWS=8" in BUILD_FLAGS and not any("QG_SWEPT_WIDE_TILE_ROWS" in f for f in BUILD_FLAGS)))
 
 
 @pytest.fixture(scope="module")
 def other_k_quant_tiles():
-    """csrc/quant_gemm.cpp built with the form of those tiles this CPU's build leaves out (through
-    SIMDe where the CPU lacks AVX-512)."""
+    """csrc/quant_gemm.cpp built with the forms of those tiles this CPU's build leaves out
+    (through SIMDe where the CPU lacks AVX-512)."""
     flags = "-UQG_PAIRED_LANES -DQG_PAIRED_LANES=0" if PAIRED_HERE else "-DQG_PAIRED_LANES=1"
+    flags += (" -UQG_SWEPT_WIDE_TILE_ROWS -DQG_SWEPT_WIDE_TILE_ROWS=6" if SWEPT_EIGHT_HERE
+              else " -DQG_SWEPT_WIDE_TILE_ROWS=8")
+    flags += " -UQG_SWEPT_CHUNK_BYTES" if CHUNKED_HERE else " -DQG_SWEPT_CHUNK_BYTES=16384"
     if "avx512" not in quant.paths():
         if not emulated_build.SIMDE_AVX512.exists():
             pytest.skip("no AVX-512 here and SIMDe's headers are missing (Debian: libsimde-dev)")
@@ -560,10 +571,11 @@ def other_k_quant_tiles():
 
 
 @pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: T(t).name)
-def test_the_other_form_of_the_one_group_k_quant_tiles(qtype, other_k_quant_tiles, monkeypatch):
-    """The form this CPU's build leaves out, on the AVX-512 path: close to the dequantised
+def test_the_other_form_of_the_k_quant_tiles(qtype, other_k_quant_tiles, monkeypatch):
+    """The forms this CPU's build leaves out, on the AVX-512 path: close to the dequantised
     weights, a row's bits the same in any batch, and the portable kernel's bits, at every row
-    count that takes the one-group tiles."""
+    count that takes the one-group tiles and at swept ones (17 rows and more) that take 8-row
+    or 6-row passes, over chunks of weight rows sized in bytes or of 16 rows."""
     monkeypatch.setattr(cpu_kernels, "library", lambda: other_k_quant_tiles)
     assert "avx512" in quant.paths()
     quant.set_path("avx512")

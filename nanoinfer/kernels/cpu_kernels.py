@@ -101,7 +101,10 @@ def _vendor_flags(cpuinfo: str | None = None) -> list[str]:
     runs on 512-bit vectors, calls of one row take the 256-bit tiles, the K-quant tiles spread
     a block's prefetches over its steps (kSpreadPrefetch), and the K-quants' one-group tiles run
     on 512-bit vectors with a row's sums in a pair of lanes, for calls of up to 4 rows
-    (kPairedTile)."""
+    (kPairedTile), and the AVX-512 path's Q5_K and Q6_K tiles take up to 8 rows in one pass where a
+    call sweeps its weights from cache (prefill; kSweptWideTileRows), 6 where it streams them, and
+    such calls take their weights in chunks of up to 256 KiB (kSweptChunkBytes) rather than 16
+    rows."""
     cpu = first_processor(cpuinfo)
     vendor, family = cpu.get("vendor_id"), cpu.get("cpu family")
     if vendor == "GenuineIntel":
@@ -113,7 +116,8 @@ def _vendor_flags(cpuinfo: str | None = None) -> list[str]:
         return ["-DQG_PREFETCH_LOCALITY=2", "-DQG_NARROW_TILE_ROWS=1"] + (
             [f"-DQG_UNPREFETCHED_TYPES={1 << GGMLQuantizationType.Q8_0 | 1 << GGMLQuantizationType.Q4_K}"] if zen4 else [])
     if vendor == "AuthenticAMD" and family == "26":
-        return ["-DPA_WIDE_VECTORS", "-DQG_NARROW_TILE_ROWS=1", "-DQG_SPREAD_PREFETCH=1", "-DQG_PAIRED_LANES=1"]
+        return ["-DPA_WIDE_VECTORS", "-DQG_NARROW_TILE_ROWS=1", "-DQG_SPREAD_PREFETCH=1", "-DQG_PAIRED_LANES=1",
+                "-DQG_SWEPT_WIDE_TILE_ROWS=8", "-DQG_SWEPT_CHUNK_BYTES=262144"]
     return []
 
 

@@ -65,6 +65,8 @@
 #include <cstring>
 #include <vector>
 
+#include <omp.h>
+
 #include "quant/kernel.h"
 #include "quant/packed.h"
 #include "quant/portable.h"
@@ -192,12 +194,11 @@ RowsFn pick(int qtype, int path) {
     }
 }
 
-// The weight rows in chunks of NCHUNK, split among the threads (each output is computed by
-// exactly one call, whatever the split). Decode-sized batches take every activation tile
-// for a few weight rows (8, or two repacked groups: 16) while they are in L1/L2; larger ones
-// sweep a chunk of rows (kept in L1/L2) per tile of activation rows.
-void drive_chunk(const Ctx& c, RowsFn fn, int64_t ch) {
-    const int64_t n0 = ch * NCHUNK, n1 = std::min(c.N, n0 + NCHUNK);
+// The weight rows in chunks, split among the threads (each output is computed by exactly one
+// call, whatever the split). Decode-sized batches take every activation tile for a few weight
+// rows (8, or two repacked groups: 16) while they are in L1/L2; larger ones sweep a chunk of
+// rows (kept in L1/L2) per tile of activation rows.
+void drive_rows(const Ctx& c, RowsFn fn, int64_t n0, int64_t n1) {
     if (c.stream) {
         const int64_t step = c.grouped ? 2 * kGroup : 8;  // two repacked groups: the AVX-512 tiles' 16 rows
         for (int64_t n = n0; n < n1; n += step)
@@ -213,9 +214,27 @@ void drive_chunk(const Ctx& c, RowsFn fn, int64_t ch) {
 
 int64_t chunks_of(int64_t N) { return (N + NCHUNK - 1) / NCHUNK; }
 
+// A swept call's chunk: NCHUNK rows, or where cpu_kernels.py sets QG_SWEPT_CHUNK_BYTES (AMD's
+// Zen 5) as many whole NCHUNKs as fit in that many bytes of weights, but at least two chunks a
+// thread. Every activation tile passes over a chunk's rows, so a chunk of 16 rows read all M
+// rows' activations again for each 16 weight rows: at prefill's 512 rows 786 KB (K = 1536) or
+// 4.6 MB (K = 8960, past L2) a sweep. Larger chunks stay in L2 while each tile, in L1 where it
+// fits, meets all their rows. The same calls, in another order: the same bits.
+#ifndef QG_SWEPT_CHUNK_BYTES
+#define QG_SWEPT_CHUNK_BYTES 0
+#endif
+constexpr int64_t kSweptChunkBytes = QG_SWEPT_CHUNK_BYTES;
+int64_t chunk_rows(const Ctx& c) {
+    if (c.stream || kSweptChunkBytes == 0 || c.rb <= 0) return NCHUNK;
+    const int64_t threads = omp_get_num_threads(), per_thread = (c.N * c.rb + threads * kSweptChunkBytes - 1) / (threads * kSweptChunkBytes);
+    const int64_t chunks = threads * std::max<int64_t>(per_thread, 2), rows = (c.N + chunks - 1) / chunks;
+    return std::max<int64_t>(NCHUNK, (rows + NCHUNK - 1) / NCHUNK * NCHUNK);
+}
+
 void drive(const Ctx& c, RowsFn fn) {
+    const int64_t rows = chunk_rows(c);
 #pragma omp for schedule(guided)
-    for (int64_t ch = 0; ch < chunks_of(c.N); ch++) drive_chunk(c, fn, ch);
+    for (int64_t ch = 0; ch < (c.N + rows - 1) / rows; ch++) drive_rows(c, fn, ch * rows, std::min(c.N, (ch + 1) * rows));
 }
 
 // Where the quantised activations of M rows lie in one buffer: int8 values, then a scale per
@@ -382,7 +401,7 @@ __attribute__((noinline)) int quant_linear_grouped_team(int qtype, int path, con
         if (c.stream && u % chunks == chunks - 1 && g + 1 < G)
             for (int64_t o = 0; o < std::min<int64_t>(kPrefetch, N * c.rb); o += 64)
                 __builtin_prefetch(w[g + 1] + o, 0, kPrefetchLocality);
-        drive_chunk(c, fn, u % chunks);
+        drive_rows(c, fn, u % chunks * NCHUNK, std::min(N, (u % chunks + 1) * NCHUNK));
     }
     return 0;
 }

@@ -639,12 +639,26 @@ constexpr bool kWideTile = block_values(T) == 256 && G == 2 && !kTallTile<T, G>;
 #endif
 constexpr int kWideTileRows = QG_WIDE_TILE_ROWS;
 static_assert(kWideTileRows >= 4 && kWideTileRows <= kTileRows, "QG_WIDE_TILE_ROWS: 4 to 8 rows a tile");
+// The same for calls that sweep their weights from cache (more than kStreamRows rows: prefill,
+// large batches) where it differs: cpu_kernels.py sets QG_SWEPT_WIDE_TILE_ROWS=8 on AMD's Zen 5.
+// There a one-pass tile of 8 rows made streamed 8-row forwards slower (the 1.5B's 38.0 -> 40.0 ms;
+// docs/benchmarks.md, the first Zen 5 section) but the swept tiles faster: one thread, a slice of
+// Qwen2.5-Coder 1.5B's weights in L2, cycles per 16 weight rows x 256 values x row at 16 / 64 rows,
+// 6 + 2 against 8: Q5_K 64.6-66.0 / 62.3-64.6 -> 56.9-59.1 / 57.0-59.5, Q6_K 86.4-95.3 /
+// 89.6-96.4 -> 77.2-84.2 / 83.6-88.1.
+#ifndef QG_SWEPT_WIDE_TILE_ROWS
+#define QG_SWEPT_WIDE_TILE_ROWS QG_WIDE_TILE_ROWS
+#endif
+constexpr int kSweptWideTileRows = QG_SWEPT_WIDE_TILE_ROWS;
+static_assert(kSweptWideTileRows >= 4 && kSweptWideTileRows <= kTileRows, "QG_SWEPT_WIDE_TILE_ROWS: 4 to 8 rows a tile");
 
 // The most rows one tile takes: the 32-value types' 8 (32 registers: 8 sums, 8 accumulators, the
 // weights); the K-quants' keep two chains of sums a row and take 4, but kTallTile's take 5 to 8 in
-// one pass and kWideTile's up to kWideTileRows.
-template <int T, int G>
-constexpr int kTileRowsAvx512 = block_values(T) == 32 || kTallTile<T, G> ? 8 : kWideTile<T, G> ? kWideTileRows : 4;
+// one pass and kWideTile's up to kWideTileRows (streamed, PF) or kSweptWideTileRows.
+template <int T, int G, bool PF>
+constexpr int kTileRowsAvx512 = block_values(T) == 32 || kTallTile<T, G> ? 8
+                                : kWideTile<T, G>                       ? (PF ? kWideTileRows : kSweptWideTileRows)
+                                                                        : 4;
 
 // The tiles of rows m0 .. m0 + mt - 1 over G groups from output n on: split_rows with group_avx512.
 template <int T, bool PF, int G>
@@ -656,7 +670,7 @@ struct Avx512Tile {
 };
 template <int T, bool PF, int G>
 QG_AVX512 void groups_avx512(const Ctx& c, int64_t n, int64_t m0, int mt) {
-    split_rows<kTileRowsAvx512<T, G>>(Avx512Tile<T, PF, G>{c, n}, m0, mt);
+    split_rows<kTileRowsAvx512<T, G, PF>>(Avx512Tile<T, PF, G>{c, n}, m0, mt);
 }
 
 // Where a CPU takes narrow tiles (kNarrowTileRows), Q6_K takes them up to 4 rows: streamed as in
