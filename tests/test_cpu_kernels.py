@@ -260,8 +260,8 @@ CPUINFO = ("processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel
     ("AuthenticAMD", "25", "fpu avx2 avx512f avx512_vnni",  # Zen 4: Q8_0 (8) and Q4_K (12) left to the hardware
      ["-DQG_PREFETCH_LOCALITY=2", "-DQG_NARROW_TILE_ROWS=1", "-DQG_UNPREFETCHED_TYPES=4352"]),
     ("AuthenticAMD", "26", "fpu avx2 avx512f",  # Zen 5
-     ["-DPA_WIDE_VECTORS", "-DQG_NARROW_TILE_ROWS=1", "-DQG_SPREAD_PREFETCH=1", "-DQG_PAIRED_LANES=1", "-DQG_SWEPT_WIDE_TILE_ROWS=8",
-      "-DQG_SWEPT_CHUNK_BYTES=262144"]),
+     ["-DPA_WIDE_VECTORS", "-DQG_NARROW_TILE_ROWS=1", "-DQG_SPREAD_PREFETCH=1", "-DQG_PAIRED_LANES=1",
+      "-DQG_SWEPT_WIDE_TILE_ROWS=8", "-DQG_SWEPT_CHUNK_BYTES=262144"]),
     ("HygonGenuine", "24", "fpu avx2", []),
 ])
 def test_vendor_tuning_follows_the_first_processor(vendor, family, flags, want):
