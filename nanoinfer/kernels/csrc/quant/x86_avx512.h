@@ -644,8 +644,9 @@ static_assert(kWideTileRows >= 4 && kWideTileRows <= kTileRows, "QG_WIDE_TILE_RO
 // There a one-pass tile of 8 rows made streamed 8-row forwards slower (the 1.5B's 38.0 -> 40.0 ms;
 // docs/benchmarks.md, the first Zen 5 section) but the swept tiles faster: one thread, a slice of
 // Qwen2.5-Coder 1.5B's weights in L2, cycles per 16 weight rows x 256 values x row at 16 / 64 rows,
-// 6 + 2 against 8: Q5_K 64.6-66.0 / 62.3-64.6 -> 56.9-59.1 / 57.0-59.5, Q6_K 86.4-95.3 /
-// 89.6-96.4 -> 77.2-84.2 / 83.6-88.1.
+// 6 + 2 against 8: Q5_K 64.4-66.0 / 62.3-64.9 -> 56.9-59.1 / 57.0-59.5, Q6_K (K = 8960) 86.4-95.3 /
+// 89.6-96.4 -> 77.2-84.2 / 83.6-91.0, (K = 1536) 87.9 / 86.2 -> 75.5 / 74.9. Alone it did not show
+// in prefill (kSweptChunkBytes did: the activations' passes bounded those calls).
 #ifndef QG_SWEPT_WIDE_TILE_ROWS
 #define QG_SWEPT_WIDE_TILE_ROWS QG_WIDE_TILE_ROWS
 #endif
