@@ -548,11 +548,15 @@ def test_parameters_and_default_dtype():
 # QG_WIDE_TILE_ROWS=8 on Intel) or up to 6. And swept calls take their weights in chunks of
 # 16 rows or, on Zen 5, of up to 256 KiB (QG_SWEPT_CHUNK_BYTES). The tests above run this CPU's
 # forms; the fixture builds the other ones.
-BUILD_FLAGS = cpu_kernels._flags()
-CHUNKED_HERE = any(f.startswith("-DQG_SWEPT_CHUNK_BYTES=") and not f.endswith("=0") for f in BUILD_FLAGS)
-PAIRED_HERE = "-DQG_PAIRED_LANES=1" in BUILD_FLAGS
-SWEPT_EIGHT_HERE = ("-DQG_SWEPT_WIDE_TILE_ROWS=8" in BUILD_FLAGS
-                    or ("-DQG_WIDE_TILE_ROWS=8" in BUILD_FLAGS and not any("QG_SWEPT_WIDE_TILE_ROWS" in f for f in BUILD_FLAGS)))
+def defined_here(name: str, default: str) -> str:
+    """The value this CPU's build gives macro `name` (its last -D), else the header's default."""
+    values = [f.partition("=")[2] for f in cpu_kernels._flags() if f.startswith(f"-D{name}=")]
+    return values[-1] if values else default
+
+
+PAIRED_HERE = defined_here("QG_PAIRED_LANES", "0") == "1"
+SWEPT_EIGHT_HERE = defined_here("QG_SWEPT_WIDE_TILE_ROWS", defined_here("QG_WIDE_TILE_ROWS", "6")) == "8"
+CHUNKED_HERE = int(defined_here("QG_SWEPT_CHUNK_BYTES", "0")) > 0
 
 
 @pytest.fixture(scope="module")
