@@ -12,6 +12,20 @@
 #if defined(QG_EMULATE_AVX512)  // the AVX-512 path through SIMDe's portable intrinsics (tests)
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
+// Debian 12's SIMDe (0.7.4~rc2) defines this alias with the masked form's four arguments, and
+// has no _mm512_cvtepi32_ps: it is made of two 256-bit conversions (each lane rounded alike).
+#undef _mm512_madd_epi16
+#define _mm512_madd_epi16(a, b) simde_mm512_madd_epi16(a, b)
+#define _mm512_cvtepi32_ps(i) qg_emulated_cvtepi32_ps(i)
+inline __m512 qg_emulated_cvtepi32_ps(__m512i i) {
+    const __m256 lo = _mm256_cvtepi32_ps(_mm512_castsi512_si256(i)), hi = _mm256_cvtepi32_ps(_mm512_extracti64x4_epi64(i, 1));
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+}
+#define _mm512_srai_epi32(a, k) qg_emulated_srai_epi32(a, k)
+inline __m512i qg_emulated_srai_epi32(__m512i a, int k) {
+    const __m256i lo = _mm256_srai_epi32(_mm512_castsi512_si256(a), k), hi = _mm256_srai_epi32(_mm512_extracti64x4_epi64(a, 1), k);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
 #endif
 
 namespace {
@@ -23,6 +37,19 @@ namespace {
 #else
 #define QG_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #endif
+
+// v kept in a register from here on (an optimiser barrier: its sum is not regrouped or moved).
+// Emulated, a 512-bit vector is SIMDe's 64-byte struct, which no register holds: kept in memory.
+template <typename V>
+QG_AVX512 inline void pin(V& v) {
+#if defined(QG_EMULATE_AVX512)
+    if constexpr (sizeof(V) == 64) {
+        asm("" : "+m"(v));
+        return;
+    }
+#endif
+    asm("" : "+v"(v));
+}
 
 // G repacked groups side by side, a 32-bit lane an output: 8 outputs on 256-bit vectors (G = 1),
 // 16 on 512-bit ones (G = 2: the group at row n in the low half, n + 8 in the high half), and
@@ -298,7 +325,7 @@ QG_AVX512 inline void add_scaled_pair(VecI<G>* isum, const VecI<G>* p0, const Ve
     const VecI<G> s1 = join<G>(part);
     for (int i = 0; i < R; i++) {
         isum[i] = v_add(isum[i], v_add(v_mullo(p0[i], s0), v_mullo(p1[i], s1)));
-        asm("" : "+v"(isum[i]));
+        pin(isum[i]);
     }
 }
 
@@ -339,7 +366,7 @@ QG_AVX512 inline void add_scaled_one(VecI<G>* isum, const VecI<G>* p, const Scal
     const VecI<G> s = join<G>(part);
     for (int i = 0; i < R; i++) {
         isum[i] = v_add(isum[i], v_mullo(p[i], s));
-        asm("" : "+v"(isum[i]));
+        pin(isum[i]);
     }
 }
 
@@ -572,7 +599,7 @@ QG_AVX512 void groupk_paired_avx512(const Ctx& c, int64_t n, int64_t m0) {
                         const __m512i s = _mm512_srai_epi32(pick_bytes(sc[g / 4], kByteHi32[g % 4]), 24);  // Q6Scales::scale32
                         for (int i = 0; i < R; i++) {
                             isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(p[i], s));
-                            asm("" : "+v"(isum[i]));
+                            pin(isum[i]);
                         }
                     }
                 }
@@ -603,7 +630,7 @@ QG_AVX512 void groupk_paired_avx512(const Ctx& c, int64_t n, int64_t m0) {
                 const __m512i s1 = pick_bytes(j + 1 < 4 ? lo : hi, kByte32[(j + 1) & 3]);
                 for (int i = 0; i < R; i++) {
                     isum[i] = _mm512_add_epi32(isum[i], _mm512_add_epi32(_mm512_mullo_epi32(p0[i], s0), _mm512_mullo_epi32(p1[i], s1)));
-                    asm("" : "+v"(isum[i]));
+                    pin(isum[i]);
                 }
             }
         }
@@ -713,7 +740,7 @@ QG_AVX512 __attribute__((noinline)) int64_t dot_peak_avx512(int64_t reps) {
         b[j] = _mm512_set1_epi8(char(j + 1));
     }
     for (int64_t r = 0; r < reps; r++) {
-        asm("" : "+v"(a));
+        pin(a);
         for (int j = 0; j < 8; j++) acc[j] = _mm512_dpbusd_epi32(acc[j], a, b[j]);
     }
     __m512i s = acc[0];
