@@ -194,11 +194,12 @@ RowsFn pick(int qtype, int path) {
     }
 }
 
-// The weight rows in chunks, split among the threads (each output is computed by exactly one
-// call, whatever the split). Decode-sized batches take every activation tile for a few weight
-// rows (8, or two repacked groups: 16) while they are in L1/L2; larger ones sweep a chunk of
-// rows (kept in L1/L2) per tile of activation rows.
-void drive_rows(const Ctx& c, RowsFn fn, int64_t n0, int64_t n1) {
+// The weight rows in chunks of `rows`, split among the threads (each output is computed by
+// exactly one call, whatever the split): chunk ch. Decode-sized batches take every activation
+// tile for a few weight rows (8, or two repacked groups: 16) while they are in L1/L2; larger ones
+// sweep a chunk of rows (kept in L1/L2) per tile of activation rows.
+void drive_chunk(const Ctx& c, RowsFn fn, int64_t ch, int64_t rows) {
+    const int64_t n0 = ch * rows, n1 = std::min(c.N, n0 + rows);
     if (c.stream) {
         const int64_t step = c.grouped ? 2 * kGroup : 8;  // two repacked groups: the AVX-512 tiles' 16 rows
         for (int64_t n = n0; n < n1; n += step)
@@ -212,7 +213,7 @@ void drive_rows(const Ctx& c, RowsFn fn, int64_t n0, int64_t n1) {
     }
 }
 
-int64_t chunks_of(int64_t N) { return (N + NCHUNK - 1) / NCHUNK; }
+int64_t chunks_of(int64_t N, int64_t rows = NCHUNK) { return (N + rows - 1) / rows; }
 
 // A swept call's chunk: NCHUNK rows, or where cpu_kernels.py sets QG_SWEPT_CHUNK_BYTES (AMD's
 // Zen 5) as many whole NCHUNKs as fit in that many bytes of weights, but at least two chunks a
@@ -239,7 +240,7 @@ int64_t chunk_rows(const Ctx& c) {
 void drive(const Ctx& c, RowsFn fn) {
     const int64_t rows = chunk_rows(c);
 #pragma omp for schedule(guided)
-    for (int64_t ch = 0; ch < (c.N + rows - 1) / rows; ch++) drive_rows(c, fn, ch * rows, std::min(c.N, (ch + 1) * rows));
+    for (int64_t ch = 0; ch < chunks_of(c.N, rows); ch++) drive_chunk(c, fn, ch, rows);
 }
 
 // Where the quantised activations of M rows lie in one buffer: int8 values, then a scale per
@@ -406,7 +407,7 @@ __attribute__((noinline)) int quant_linear_grouped_team(int qtype, int path, con
         if (c.stream && ch == chunks - 1 && g + 1 < G)
             for (int64_t o = 0; o < std::min<int64_t>(kPrefetch, N * c.rb); o += 64)
                 __builtin_prefetch(w[g + 1] + o, 0, kPrefetchLocality);
-        drive_rows(c, fn, ch * NCHUNK, std::min(N, (ch + 1) * NCHUNK));
+        drive_chunk(c, fn, ch, NCHUNK);
     }
     return 0;
 }
