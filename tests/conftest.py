@@ -176,9 +176,10 @@ def long_reply_model(make_hf_model, tmp_path_factory) -> Path:
     return path
 
 
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected: only a build the session will use
 def pytest_collection_modifyitems(config, items) -> None:
     if any(item.name == "test_simd_paths_through_emulation" for item in items):
-        emulated_build.start()  # a minute of compiling, beside the tests that run first
+        emulated_build.start()  # two minutes of compiling, beside the tests that run first
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:

@@ -570,7 +570,7 @@ def other_k_quant_tiles():
     if "avx512" not in quant.paths():
         if not emulated_build.SIMDE_AVX512.exists():
             pytest.skip("no AVX-512 here and SIMDe's headers are missing (Debian: libsimde-dev)")
-        flags += " -DQG_EMULATE_AVX512"
+        flags += " " + emulated_build.FLAGS
     return kernel_builds.built_with(flags, "quant_gemm.cpp", cpu_kernels.declare_quant)
 
 
