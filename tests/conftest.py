@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import emulated_build
+import kernel_builds
 from nanoinfer.kernels.quant import PATH_NAMES
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -176,14 +176,21 @@ def long_reply_model(make_hf_model, tmp_path_factory) -> Path:
     return path
 
 
-@pytest.hookimpl(trylast=True)  # after -k and -m have deselected: only a build the session will use
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected: only builds the session will use
 def pytest_collection_modifyitems(config, items) -> None:
-    if any(item.name == "test_simd_paths_through_emulation" for item in items):
-        emulated_build.start()  # two minutes of compiling, beside the tests that run first
+    """The kernel builds of minutes that the selected tests load, started beside the tests that
+    run first: each module with selected tests names its own (`background_builds(names)`)."""
+    names: dict[object, set[str]] = {}
+    for item in items:
+        if getattr(item, "module", None) is not None:
+            names.setdefault(item.module, set()).add(item.originalname)
+    for module, selected in names.items():
+        for build in getattr(module, "background_builds", lambda _: [])(selected):
+            kernel_builds.start(build)
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
-    emulated_build.stop()
+    kernel_builds.stop()
 
 
 @pytest.fixture(scope="session")

@@ -146,6 +146,13 @@ ATTENTION_BUILDS = {  # the decode attention's three forms, each built wherever 
 }
 
 
+def background_builds(names: set[str]) -> list[kernel_builds.Build]:
+    """The forms this CPU runs, where the test of the forms is selected (conftest.py starts them)."""
+    if "test_each_build_matches_pytorch_and_keeps_rows_apart" not in names:
+        return []
+    return [kernel_builds.Build(flags, "paged_attention.cpp") for flags, runs_here in ATTENTION_BUILDS.values() if runs_here]
+
+
 @pytest.fixture(scope="module", params=list(ATTENTION_BUILDS))
 def attention_build(request):
     """paged_attention.cpp built in one of its forms, whatever this CPU's own build is."""

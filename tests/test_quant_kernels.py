@@ -25,7 +25,6 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-import emulated_build
 import kernel_builds
 from nanoinfer.errors import SettingError
 from nanoinfer.kernels import cpu_kernels, quant
@@ -559,18 +558,37 @@ SWEPT_EIGHT_HERE = defined_here("QG_SWEPT_WIDE_TILE_ROWS", defined_here("QG_WIDE
 CHUNKED_HERE = int(defined_here("QG_SWEPT_CHUNK_BYTES", "0")) > 0
 
 
-@pytest.fixture(scope="module")
-def other_k_quant_tiles():
-    """csrc/quant_gemm.cpp built with the forms of those tiles this CPU's build leaves out
-    (through SIMDe where the CPU lacks AVX-512)."""
+def other_form_flags() -> str | None:
+    """The flags that build the forms of those tiles this CPU's build leaves out (through SIMDe
+    where the CPU lacks AVX-512), or None where that cannot be built here."""
     flags = "-UQG_PAIRED_LANES -DQG_PAIRED_LANES=0" if PAIRED_HERE else "-DQG_PAIRED_LANES=1"
     flags += (" -UQG_SWEPT_WIDE_TILE_ROWS -DQG_SWEPT_WIDE_TILE_ROWS=6" if SWEPT_EIGHT_HERE
               else " -DQG_SWEPT_WIDE_TILE_ROWS=8")
     flags += " -UQG_SWEPT_CHUNK_BYTES" if CHUNKED_HERE else " -DQG_SWEPT_CHUNK_BYTES=16384"
     if "avx512" not in quant.paths():
-        if not emulated_build.SIMDE_AVX512.exists():
-            pytest.skip("no AVX-512 here and SIMDe's headers are missing (Debian: libsimde-dev)")
-        flags += " " + emulated_build.FLAGS
+        if not kernel_builds.SIMDE_AVX512.exists():
+            return None
+        flags += " " + kernel_builds.EMULATED
+    return flags
+
+
+def background_builds(names: set[str]) -> list[kernel_builds.Build]:
+    """The builds of minutes this module's selected tests load (conftest.py starts them)."""
+    builds = []
+    if "test_simd_paths_through_emulation" in names and not {"avx512", "avxvnni"} <= set(quant.paths()) \
+            and kernel_builds.SIMDE_AVX512.exists():
+        builds.append(kernel_builds.EMULATED_LIBRARY)
+    if "test_the_other_form_of_the_k_quant_tiles" in names and (flags := other_form_flags()) is not None:
+        builds.append(kernel_builds.Build(flags, "quant_gemm.cpp"))
+    return builds
+
+
+@pytest.fixture(scope="module")
+def other_k_quant_tiles():
+    """csrc/quant_gemm.cpp built with the forms of those tiles this CPU's build leaves out."""
+    flags = other_form_flags()
+    if flags is None:
+        pytest.skip("no AVX-512 here and SIMDe's headers are missing (Debian: libsimde-dev)")
     return kernel_builds.built_with(flags, "quant_gemm.cpp", cpu_kernels.declare_quant)
 
 
@@ -603,14 +621,14 @@ def test_simd_paths_through_emulation():
 
     if {"avx512", "avxvnni"} <= set(quant.paths()):
         pytest.skip("this CPU runs the AVX-512 and AVX-VNNI paths natively: the tests above cover them")
-    if not emulated_build.SIMDE_AVX512.exists():
+    if not kernel_builds.SIMDE_AVX512.exists():
         pytest.skip("SIMDe's headers are missing (Debian: libsimde-dev; `make test` installs them as root)")
-    emulated_build.wait()  # (started when the session was collected: conftest.py)
+    kernel_builds.wait(kernel_builds.EMULATED_LIBRARY)  # (started when the session was collected)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
          "(avx512 or avxvnni or paths_agree) and not emulation",
          "tests/test_quant_kernels.py", "tests/test_decoder_stack.py", "tests/test_quant_path.py"],
-        cwd=emulated_build.ROOT, env=emulated_build.env(), capture_output=True, text=True, timeout=900)
+        cwd=kernel_builds.ROOT, env=kernel_builds.env(kernel_builds.EMULATED), capture_output=True, text=True, timeout=900)
     tail = proc.stdout[-3000:]
     assert proc.returncode == 0, tail
     assert " skipped" not in tail.splitlines()[-1], tail  # every selected test ran on the emulated path

@@ -6,8 +6,12 @@ quant.dequantize_rows on every path.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
+import functools
 import shutil
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -84,24 +88,42 @@ float dot_toy(const uint8_t* w, int64_t nb, const ActsRow& x) {
 """
 
 
-@pytest.fixture(scope="module")
-def toy_library(tmp_path_factory):
-    """The quant kernels built from a copy of csrc/ with the toy added in the two places the
-    docs name: its record appended to quant/types.def, its kernels to quant/portable.h. Only
-    quant_gemm.cpp is built (cached by content like the real library: built once per machine)."""
-    compiler = cpu_kernels.find_compiler()
-    if compiler is None or not cpu_kernels.enabled():
-        pytest.skip("no C++ compiler: the kernels cannot be built here")
-    csrc = tmp_path_factory.mktemp("toy") / "csrc"
+@functools.cache
+def toy_csrc() -> Path:
+    """A copy of csrc/ with the toy added in the two places the docs name: its record appended to
+    quant/types.def, its kernels to quant/portable.h (one per process, removed at its exit)."""
+    root = Path(tempfile.mkdtemp(prefix="nanoinfer-toy-"))
+    atexit.register(shutil.rmtree, root, True)
+    csrc = root / "csrc"
     shutil.copytree(cpu_kernels.CSRC, csrc)
     with open(csrc / "quant" / "types.def", "a") as f:
         f.write(TOY_RECORD)
     with open(csrc / "quant" / "portable.h", "a") as f:
         f.write(TOY_KERNELS)
-    # at -O1 (the last -O wins): the toy's tests check records and bits, not speed, and the
-    # file's AVX tiles take a third of -O3's 35 s to compile
-    lib = kernel_builds.built_with("-O1", "quant_gemm.cpp", cpu_kernels.declare_quant, csrc)
-    return lib, quant.read_records(csrc / "quant" / "types.def")
+    return csrc
+
+
+# Only quant_gemm.cpp, at -O1 (the last -O wins): the toy's tests check records and bits, not
+# speed, and the file's AVX tiles take a third of -O3's time to compile. Cached by content like
+# the real library: built once per machine.
+def toy_build() -> kernel_builds.Build:
+    return kernel_builds.Build("-O1", "quant_gemm.cpp", toy_csrc())
+
+
+def background_builds(names: set[str]) -> list[kernel_builds.Build]:
+    """The toy's build, where a selected test loads it (conftest.py starts it)."""
+    return [toy_build()] if any("toy" in n for n in names) and cpu_kernels.enabled() else []
+
+
+@pytest.fixture(scope="module")
+def toy_library():
+    """The quant kernels built from toy_csrc()."""
+    compiler = cpu_kernels.find_compiler()
+    if compiler is None or not cpu_kernels.enabled():
+        pytest.skip("no C++ compiler: the kernels cannot be built here")
+    build = toy_build()
+    lib = kernel_builds.built_with(build.flags, build.source, cpu_kernels.declare_quant, build.csrc)
+    return lib, quant.read_records(build.csrc / "quant" / "types.def")
 
 
 @pytest.fixture
