@@ -60,8 +60,9 @@ def native() -> bool:
 
 
 # A build in its own process: cpu_kernels.build with the build's sources (errors show when a
-# test loads it, which builds again and reports).
-_BUILD = ("import sys; from pathlib import Path; from nanoinfer.kernels import cpu_kernels as k; "
+# test loads it, which builds again and reports). At the lowest priority, it and its compilers:
+# they take the core the tests leave idle rather than slowing the tests that run beside them.
+_BUILD = ("import os, sys; from pathlib import Path; from nanoinfer.kernels import cpu_kernels as k; os.nice(19); "
           "k.build(k.find_compiler(), Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]])")
 _running: dict[Build, subprocess.Popen] = {}
 
