@@ -50,15 +50,6 @@ def env(flags: str) -> dict[str, str]:
     return dict(os.environ, NANOINFER_CXXFLAGS=f"{os.environ.get('NANOINFER_CXXFLAGS', '')} {flags}")
 
 
-def native() -> bool:
-    """The CPU runs the AVX-512 (F, BW, VL, VNNI) and AVX-VNNI paths itself: nothing to emulate."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return False
-    return {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni"} <= flags
-
-
 # A build in its own process: cpu_kernels.build with the build's sources (errors show when a
 # test loads it, which builds again and reports). At the lowest priority, it and its compilers:
 # they take the core the tests leave idle rather than slowing the tests that run beside them.
