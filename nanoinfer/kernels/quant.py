@@ -170,12 +170,14 @@ def set_path(name: str | None) -> None:
 def dot_peak(budget_s: float = 0.3) -> float:
     """The 8-bit dot peak (integer ops/s, 2 per u8 x s8 product) of the current path on the
     threads torch uses: the best of repeated probes (csrc/quant_gemm.cpp: quant_dot_peak), the
-    least disturbed by other work. 0.0 without the compiled library."""
+    least disturbed by other work. 0.0 without the compiled library or a probe for the path.
+    At least one probe long enough to time is taken, whatever the budget: a budget spent on
+    probes too short to count (on a loaded machine) returned 0.0, read as "no probe"."""
     lib = cpu_kernels.library()
     if lib is None:
         return 0.0
     reps, best, start = 1 << 14, 0.0, time.perf_counter()
-    while time.perf_counter() - start < budget_s:
+    while best == 0.0 or time.perf_counter() - start < budget_s:  # (reps grow until a probe is timed)
         t0 = time.perf_counter()
         ops = lib.quant_dot_peak(current_path(), reps)
         elapsed = time.perf_counter() - t0
