@@ -80,13 +80,13 @@ def stop() -> None:
             proc.wait()
 
 
-def built_with(flags: str, source: str, declare: Callable[[ctypes.CDLL], None],
-               csrc: Path = cpu_kernels.CSRC) -> ctypes.CDLL:
-    """csrc/`source` built with `flags`, its entry points declared by `declare`."""
-    wait(Build(flags, source, csrc))
+def built_with(build: Build, declare: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL:
+    """The build's one source built (after its background build, if one was started), its entry
+    points declared by `declare`."""
+    wait(build)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("NANOINFER_CXXFLAGS", env(flags)["NANOINFER_CXXFLAGS"])
-        path, err = cpu_kernels.build(cpu_kernels.find_compiler(), csrc, [csrc / source])
+        patch.setenv("NANOINFER_CXXFLAGS", env(build.flags)["NANOINFER_CXXFLAGS"])
+        path, err = cpu_kernels.build(cpu_kernels.find_compiler(), build.csrc, build.sources())
     assert err is None, err
     lib = ctypes.CDLL(str(path))
     declare(lib)

@@ -146,20 +146,23 @@ ATTENTION_BUILDS = {  # the decode attention's three forms, each built wherever 
 }
 
 
+def attention_form(name: str) -> kernel_builds.Build:
+    return kernel_builds.Build(ATTENTION_BUILDS[name][0], "paged_attention.cpp")
+
+
 def background_builds(names: set[str]) -> list[kernel_builds.Build]:
     """The forms this CPU runs, where the test of the forms is selected (conftest.py starts them)."""
     if "test_each_build_matches_pytorch_and_keeps_rows_apart" not in names:
         return []
-    return [kernel_builds.Build(flags, "paged_attention.cpp") for flags, runs_here in ATTENTION_BUILDS.values() if runs_here]
+    return [attention_form(name) for name, (_, runs_here) in ATTENTION_BUILDS.items() if runs_here]
 
 
 @pytest.fixture(scope="module", params=list(ATTENTION_BUILDS))
 def attention_build(request):
     """paged_attention.cpp built in one of its forms, whatever this CPU's own build is."""
-    flags, runs_here = ATTENTION_BUILDS[request.param]
-    if not runs_here:
+    if not ATTENTION_BUILDS[request.param][1]:
         pytest.skip(f"this CPU cannot run the {request.param} build")
-    return kernel_builds.built_with(flags, "paged_attention.cpp", cpu_kernels.declare_attention)
+    return kernel_builds.built_with(attention_form(request.param), cpu_kernels.declare_attention)
 
 
 @pytest.mark.parametrize("case", CASES)

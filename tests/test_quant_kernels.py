@@ -558,8 +558,8 @@ SWEPT_EIGHT_HERE = defined_here("QG_SWEPT_WIDE_TILE_ROWS", defined_here("QG_WIDE
 CHUNKED_HERE = int(defined_here("QG_SWEPT_CHUNK_BYTES", "0")) > 0
 
 
-def other_form_flags() -> str | None:
-    """The flags that build the forms of those tiles this CPU's build leaves out (through SIMDe
+def other_form_build() -> kernel_builds.Build | None:
+    """quant_gemm.cpp with the forms of those tiles this CPU's build leaves out (through SIMDe
     where the CPU lacks AVX-512), or None where that cannot be built here."""
     flags = "-UQG_PAIRED_LANES -DQG_PAIRED_LANES=0" if PAIRED_HERE else "-DQG_PAIRED_LANES=1"
     flags += (" -UQG_SWEPT_WIDE_TILE_ROWS -DQG_SWEPT_WIDE_TILE_ROWS=6" if SWEPT_EIGHT_HERE
@@ -569,7 +569,7 @@ def other_form_flags() -> str | None:
         if not kernel_builds.SIMDE_AVX512.exists():
             return None
         flags += " " + kernel_builds.EMULATED
-    return flags
+    return kernel_builds.Build(flags, "quant_gemm.cpp")
 
 
 def background_builds(names: set[str]) -> list[kernel_builds.Build]:
@@ -578,18 +578,18 @@ def background_builds(names: set[str]) -> list[kernel_builds.Build]:
     if "test_simd_paths_through_emulation" in names and not {"avx512", "avxvnni"} <= set(quant.paths()) \
             and kernel_builds.SIMDE_AVX512.exists():
         builds.append(kernel_builds.EMULATED_LIBRARY)
-    if "test_the_other_form_of_the_k_quant_tiles" in names and (flags := other_form_flags()) is not None:
-        builds.append(kernel_builds.Build(flags, "quant_gemm.cpp"))
+    if "test_the_other_form_of_the_k_quant_tiles" in names and (build := other_form_build()) is not None:
+        builds.append(build)
     return builds
 
 
 @pytest.fixture(scope="module")
 def other_k_quant_tiles():
     """csrc/quant_gemm.cpp built with the forms of those tiles this CPU's build leaves out."""
-    flags = other_form_flags()
-    if flags is None:
+    build = other_form_build()
+    if build is None:
         pytest.skip("no AVX-512 here and SIMDe's headers are missing (Debian: libsimde-dev)")
-    return kernel_builds.built_with(flags, "quant_gemm.cpp", cpu_kernels.declare_quant)
+    return kernel_builds.built_with(build, cpu_kernels.declare_quant)
 
 
 @pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: T(t).name)

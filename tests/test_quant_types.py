@@ -122,8 +122,7 @@ def toy_library():
     if compiler is None or not cpu_kernels.enabled():
         pytest.skip("no C++ compiler: the kernels cannot be built here")
     build = toy_build()
-    lib = kernel_builds.built_with(build.flags, build.source, cpu_kernels.declare_quant, build.csrc)
-    return lib, quant.read_records(build.csrc / "quant" / "types.def")
+    return kernel_builds.built_with(build, cpu_kernels.declare_quant), quant.read_records(build.csrc / "quant" / "types.def")
 
 
 @pytest.fixture
