@@ -572,11 +572,15 @@ def other_form_build() -> kernel_builds.Build | None:
     return kernel_builds.Build(flags, "quant_gemm.cpp")
 
 
+def paths_to_emulate() -> bool:
+    """This CPU lacks the AVX-512 or the AVX-VNNI path: the emulated library runs them here."""
+    return not {"avx512", "avxvnni"} <= set(quant.paths())
+
+
 def background_builds(names: set[str]) -> list[kernel_builds.Build]:
     """The builds of minutes this module's selected tests load (conftest.py starts them)."""
     builds = []
-    if "test_simd_paths_through_emulation" in names and not {"avx512", "avxvnni"} <= set(quant.paths()) \
-            and kernel_builds.SIMDE_AVX512.exists():
+    if "test_simd_paths_through_emulation" in names and paths_to_emulate() and kernel_builds.SIMDE_AVX512.exists():
         builds.append(kernel_builds.EMULATED_LIBRARY)
     if "test_the_other_form_of_the_k_quant_tiles" in names and (build := other_form_build()) is not None:
         builds.append(build)
@@ -619,7 +623,7 @@ def test_simd_paths_through_emulation():
     import subprocess
     import sys
 
-    if {"avx512", "avxvnni"} <= set(quant.paths()):
+    if not paths_to_emulate():
         pytest.skip("this CPU runs the AVX-512 and AVX-VNNI paths natively: the tests above cover them")
     if not kernel_builds.SIMDE_AVX512.exists():
         pytest.skip("SIMDe's headers are missing (Debian: libsimde-dev; `make test` installs them as root)")
