@@ -18,8 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 from nanoinfer.kernels import cpu_kernels
 
 SIMDE_AVX512 = Path("/usr/include/simde/x86/avx512.h")
@@ -54,7 +52,7 @@ def env(flags: str) -> dict[str, str]:
 # test loads it, which builds again and reports). At the lowest priority, it and its compilers:
 # they take the core the tests leave idle rather than slowing the tests that run beside them.
 _BUILD = ("import os, sys; from pathlib import Path; from nanoinfer.kernels import cpu_kernels as k; os.nice(19); "
-          "k.build(k.find_compiler(), Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]])")
+          "k.build(k.find_compiler(), Path(sys.argv[1]), [Path(p) for p in sys.argv[3:]], sys.argv[2])")
 _running: dict[Build, subprocess.Popen] = {}
 
 
@@ -62,8 +60,8 @@ def start(build: Build) -> None:
     if build not in _running and cpu_kernels.find_compiler() is not None:
         # a session of its own, so that stop() ends the compilers it starts with it
         _running[build] = subprocess.Popen(
-            [sys.executable, "-c", _BUILD, str(build.csrc), *map(str, build.sources())], cwd=ROOT,
-            env=env(build.flags), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+            [sys.executable, "-c", _BUILD, str(build.csrc), build.flags, *map(str, build.sources())], cwd=ROOT,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
 def wait(build: Build) -> None:
@@ -84,9 +82,7 @@ def built_with(build: Build, declare: Callable[[ctypes.CDLL], None]) -> ctypes.C
     """The build's one source built (after its background build, if one was started), its entry
     points declared by `declare`."""
     wait(build)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("NANOINFER_CXXFLAGS", env(build.flags)["NANOINFER_CXXFLAGS"])
-        path, err = cpu_kernels.build(cpu_kernels.find_compiler(), build.csrc, build.sources())
+    path, err = cpu_kernels.build(cpu_kernels.find_compiler(), build.csrc, build.sources(), build.flags)
     assert err is None, err
     lib = ctypes.CDLL(str(path))
     declare(lib)

@@ -465,6 +465,54 @@ def test_bench_linears_weights_from(q8_block_file, capsys, monkeypatch, weights)
     assert len(seen) == len(want) and set(seen.values()) == {2 * 3 * calls}
 
 
+def test_bench_linears_against(q8_block_file, capsys, monkeypatch):
+    """--against: a second build (here the library itself, under its own name) timed beside the
+    library in every run, each weight once per build per run and row count after one check of
+    its bits; the JSON and the table give both builds' medians and their ratio."""
+    from collections import Counter
+
+    from nanoinfer.bench import linears
+    from nanoinfer.kernels import cpu_kernels
+
+    path, want = q8_block_file
+    built = []
+    monkeypatch.setattr(linears.cpu_kernels, "quant_library_with",
+                        lambda flags: built.append(flags) or cpu_kernels.library())
+    calls, real = Counter(), linears.quant.linear
+    monkeypatch.setattr(linears.quant, "linear", lambda x, w, *args, library=None, **kw: calls.update(
+        [("against" if library is not None else "this", w.data_ptr())]) or real(x, w, *args, library=library, **kw))
+    doc, out = run_bench(capsys, ["linears", "--model", str(path), "--rows", "1,2", "--runs", "3", "--path", "portable",
+                                  "--threads", "1", "--against=-DQG_SOMETHING=1"])
+    assert built == ["-DQG_SOMETHING=1"] and doc["against"] == "-DQG_SOMETHING=1"
+    # per weight and build: 3 runs x 2 row counts timed, and the bit check's call at each row count
+    assert len(calls) == 2 * len(want) and set(calls.values()) == {3 * 2 + 2}
+    for r in doc["results"]:
+        assert len(r["against_seconds_all"]) == 3 and r["against_seconds"] > 0
+        assert r["against_vs_this"] == pytest.approx(r["against_seconds"] / r["seconds"])
+        assert f"{r['against_vs_this']:.2f}x" in out
+    assert "against / this" in out and "against the build with '-DQG_SOMETHING=1' added" in out
+
+
+def test_bench_linears_against_a_build_that_changes_bits(q8_block_file, capsys, monkeypatch):
+    """Two builds whose outputs differ in one bit: an error naming the weight, before any timing."""
+    from nanoinfer.bench import linears
+    from nanoinfer.kernels import cpu_kernels
+
+    path, _ = q8_block_file
+    monkeypatch.setattr(linears.cpu_kernels, "quant_library_with", lambda flags: cpu_kernels.library())
+    real = linears.quant.linear
+
+    def off_by_one_ulp(x, w, *args, library=None, **kw):
+        y = real(x, w, *args, library=library, **kw)
+        return torch.nextafter(y, torch.full_like(y, float("inf"))) if library is not None else y
+
+    monkeypatch.setattr(linears.quant, "linear", off_by_one_ulp)
+    assert main(["linears", "--model", str(path), "--rows", "1", "--runs", "1", "--path", "portable",
+                 "--against=-DQG_SOMETHING=1"]) == 1
+    err = capsys.readouterr().err
+    assert "the two builds' outputs differ (Q8_0" in err and "1 rows" in err
+
+
 def test_bench_verify(make_hf_model, capsys, monkeypatch):
     """Forwards of R rows of the one prefilled sequence at the position after its prompt (its
     token and R - 1 guesses), each row count in turn, the order reversed each round; the
@@ -513,6 +561,8 @@ def test_bench_linears_needs_block_weights(make_hf_model, capsys):
     (["latency", "--cold-cache", "--compare", "llama.cpp"], "--cold-cache"),
     (["linears", "--rows", "1,0"], "--rows"),
     (["linears", "--runs", "0"], "--runs"),
+    (["linears", "--against=-DX='a b"], "the added flags: no closing quotation"),
+    (["linears", "--against=--no-such-compiler-option"], "building the kernels with '--no-such-compiler-option' added failed"),
     (["throughput", "--min-input-len", "9", "--max-input-len", "3"], "min <= max"),
     (["loop", "--plot", "out.jpg"], ".png"),
     (["verify", "--rows", "2,0"], "--rows"),

@@ -614,6 +614,23 @@ def test_the_other_form_of_the_k_quant_tiles(qtype, other_k_quant_tiles, monkeyp
     test_paths_agree_bit_for_bit_at_the_integer_extremes(qtype)
 
 
+def test_bench_linears_against_the_other_form(other_k_quant_tiles, default_gguf, capsys):
+    """`bench linears --against` with a real second build (the other forms' flags: the fixture
+    built it, so the bench finds it in the kernel cache): both builds run the default model's
+    weights with the same bits, and the table gives both."""
+    import json
+
+    from nanoinfer.bench.cli import main
+
+    flags = other_form_build().flags
+    assert main(["linears", "--model", str(default_gguf), "--rows", "1,4", "--runs", "1", "--threads", "1",
+                 f"--against={flags}"]) == 0
+    out = capsys.readouterr().out
+    doc = json.loads(out.strip().splitlines()[-1])
+    assert doc["against"] == flags and {r["rows"] for r in doc["results"]} == {1, 4}
+    assert all(r["against_seconds"] > 0 for r in doc["results"]) and "against / this" in out
+
+
 def test_simd_paths_through_emulation():
     """On a CPU without AVX-512 or AVX-VNNI those paths still run, in a build where SIMDe's
     portable intrinsics stand in for AVX-512 and AVX2 code for AVX-VNNI's vpdpbusd

@@ -216,6 +216,11 @@ def _add_commands(sub) -> None:
                      help="streamed: each weight once in turn, from memory as a decode step meets them; cached: "
                           "each timed call after three untimed ones on the same weight, from the caches where it "
                           "fits them (the kernels' compute rate) (default streamed)")
+    lin.add_argument("--against", default=None, metavar="FLAGS",
+                     help="a second build of the block GEMM with these compiler flags added (after "
+                          "$NANOINFER_CXXFLAGS), e.g. --against='-UQG_NARROW_TILE_ROWS -DQG_NARROW_TILE_ROWS=0': both timed in "
+                          "one process on the same weights, in turn, the order swapped each run; their outputs "
+                          "must agree bit for bit")
     lin.set_defaults(func=_linears)
     ver = sub.add_parser("verify", help="a forward's time by its rows of one sequence: what checking guesses costs",
                          description="One prompt prefilled, then forwards of R rows at the next position (its token "

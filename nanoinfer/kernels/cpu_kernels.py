@@ -57,13 +57,18 @@ FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c
 NO_AUTO_VNNI = ["-mno-avxvnni", "-mno-avx512vnni"] if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686") else []
 
 
-def _flags() -> list[str]:
-    """FLAGS, the tuning for this CPU's vendor, plus $NANOINFER_CXXFLAGS (the tests build with
-    -DQG_EMULATE_AVX512 to run the AVX-512 path through SIMDe on CPUs without it)."""
+def _split(flags: str, what: str) -> list[str]:
     try:
-        extra = shlex.split(os.environ.get("NANOINFER_CXXFLAGS", ""))
+        return shlex.split(flags)
     except ValueError as e:  # an unclosed quote
-        raise SettingError(f"NANOINFER_CXXFLAGS: {str(e).lower()}") from None
+        raise SettingError(f"{what}: {str(e).lower()}") from None
+
+
+def _flags(added: str = "") -> list[str]:
+    """FLAGS, the tuning for this CPU's vendor, plus $NANOINFER_CXXFLAGS (the tests build with
+    -DQG_EMULATE_AVX512 to run the AVX-512 path through SIMDe on CPUs without it), plus `added`
+    (a second build beside the library: quant_library_with)."""
+    extra = _split(os.environ.get("NANOINFER_CXXFLAGS", ""), "NANOINFER_CXXFLAGS") + _split(added, "the added flags")
     # (SIMDe's emulated AVX-512 maps to the native instructions the compiler may use: left as is)
     return FLAGS + ([] if "-DQG_EMULATE_AVX512" in extra else NO_AUTO_VNNI) + _vendor_flags() + extra
 
@@ -143,7 +148,7 @@ def _cpu_id() -> str:
         return platform.processor() + platform.machine()
 
 
-def _compile(compiler: str, out: Path, sources: list[Path]) -> str | None:
+def _compile(compiler: str, out: Path, sources: list[Path], added: str = "") -> str | None:
     """Build to a temporary name and rename (another process may build the same file at
     once). OpenMP when the compiler has it, else one thread. Returns an error or None.
 
@@ -158,7 +163,7 @@ def _compile(compiler: str, out: Path, sources: list[Path]) -> str | None:
             os.close(fd)
             # the sources compile at once, one per core (the first build is most of a fresh set-up)
             with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-                errors = list(pool.map(_run, [[compiler, *_flags(), *extra, "-c", str(src), "-o", obj]
+                errors = list(pool.map(_run, [[compiler, *_flags(added), *extra, "-c", str(src), "-o", obj]
                                               for src, obj in zip(sources, objects)]))
             err = next((e for e in errors if e is not None), None)
             if err is None:
@@ -183,15 +188,15 @@ def find_compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 
 
-def build(compiler: str, csrc: Path, sources: list[Path]) -> tuple[Path, str | None]:
-    """The shared object built from `sources`, from the cache when built before: keyed by every
-    file under `csrc` (the headers, quant/types.def: a change to any of them builds anew), the
-    flags, the compiler and the CPU. Returns its path and None, or an error. (A test builds a
-    copy of csrc/ with a quant type added this way.)"""
+def build(compiler: str, csrc: Path, sources: list[Path], added: str = "") -> tuple[Path, str | None]:
+    """The shared object built from `sources` (with the flags `added` to _flags'), from the cache
+    when built before: keyed by every file under `csrc` (the headers, quant/types.def: a change to
+    any of them builds anew), the flags, the compiler and the CPU. Returns its path and None, or
+    an error. (A test builds a copy of csrc/ with a quant type added this way.)"""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     files = sorted(p for p in csrc.rglob("*") if p.is_file())
     text = [f"{p.relative_to(csrc)}\0{p.read_text()}" for p in files] + [str(s.relative_to(csrc)) for s in sources]
-    key = hashlib.sha256("\0".join([*text, *_flags(), "link-separately", compiler, version, _cpu_id()]).encode())
+    key = hashlib.sha256("\0".join([*text, *_flags(added), "link-separately", compiler, version, _cpu_id()]).encode())
     name = f"cpu_kernels-{key.hexdigest()[:16]}.so"
     try:
         path = user_cache_dir() / "kernels" / name
@@ -203,7 +208,7 @@ def build(compiler: str, csrc: Path, sources: list[Path]) -> tuple[Path, str | N
     # a first run on this machine: tens of seconds, say so
     print(f"nanoinfer: building the CPU kernels for this machine (once; cached in {path.parent}) ...",
           file=sys.stderr, flush=True)
-    return path, _compile(compiler, path, sources)
+    return path, _compile(compiler, path, sources, added)
 
 
 @functools.cache
@@ -244,6 +249,25 @@ def library() -> ctypes.CDLL | None:
         getattr(lib, f"gelu_tanh_mul_{suffix}").argtypes = [p, p, i, i]
         for op in ("rms_norm", "rope", "silu_mul", "gelu_tanh_mul"):
             getattr(lib, f"{op}_{suffix}").restype = None
+    return lib
+
+
+def quant_library_with(flags: str) -> ctypes.CDLL:
+    """csrc/quant_gemm.cpp (the block GEMM's entry points) built with `flags` added to the
+    library's, loaded beside it: a kernel change against the kernels as built, in one process
+    (`bench linears --against`), where alternating processes would compare two moments of a
+    noisy host. Raises SettingError when it cannot be built or loaded."""
+    compiler = find_compiler()
+    if compiler is None:
+        raise SettingError("no C++ compiler found")
+    path, err = build(compiler, CSRC, [CSRC / "quant_gemm.cpp"], flags)
+    if err:
+        raise SettingError(f"building the kernels with {flags!r} added failed: {err}")
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise SettingError(f"the kernels built with {flags!r} added do not load: {e}") from None
+    declare_quant(lib)
     return lib
 
 

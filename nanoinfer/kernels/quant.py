@@ -234,10 +234,11 @@ def _is(t: object, dtype: torch.dtype, dim: int) -> bool:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, qtype: int, bias: torch.Tensor | None = None,
-           repacked: bool = False) -> torch.Tensor:
+           repacked: bool = False, library: ctypes.CDLL | None = None) -> torch.Tensor:
     """F.linear(x, dequantize(w), bias) with w left in its blocks: x fp32 [M, K], w uint8
     [N, row_bytes(qtype, K)] (as stored, or in the repacked layout: `repacked`), bias fp32 [N]
-    or None; returns fp32 [M, N].
+    or None; returns fp32 [M, N]. `library`: a second build of the kernels to run instead of
+    the library (cpu_kernels.quant_library_with).
 
     Called per layer per step, so the checks are one expression (a few microseconds count
     when a model has 200 linears); the slow path says what is wrong."""
@@ -251,7 +252,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, qtype: int, bias: torch.Tensor | No
     if K % bs or w.shape[1] != K // bs * r.block_bytes:
         raise ValueError(f"w has {w.shape[1]} bytes per row; {r.name} with K={K} needs "
                          + (f"{row_bytes(qtype, K)}" if K % bs == 0 else f"K a multiple of {bs}"))
-    lib = cpu_kernels.library()
+    lib = library or cpu_kernels.library()
     if lib is None:
         raise RuntimeError("the compiled CPU kernels are unavailable (no compiler, or NANOINFER_CPU_KERNELS=0)")
     y = torch.empty(M, N, dtype=torch.float32)
