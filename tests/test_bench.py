@@ -513,6 +513,19 @@ def test_bench_linears_against_a_build_that_changes_bits(q8_block_file, capsys, 
     assert "the two builds' outputs differ (Q8_0" in err and "1 rows" in err
 
 
+def test_bench_linears_against_a_build_without_the_path(q8_block_file, capsys, monkeypatch):
+    """A path named (--path) that the second build lacks: a one-line error, not a failed call."""
+    from types import SimpleNamespace
+
+    from nanoinfer.bench import linears
+
+    path, _ = q8_block_file
+    monkeypatch.setattr(linears.cpu_kernels, "quant_library_with",
+                        lambda flags: SimpleNamespace(quant_paths=lambda: 0))  # no path at all
+    assert main(["linears", "--model", str(path), "--runs", "1", "--path", "portable", "--against=-DQG_SOMETHING=1"]) == 1
+    assert "--against: the build with '-DQG_SOMETHING=1' added has no portable path" in capsys.readouterr().err
+
+
 def test_bench_verify(make_hf_model, capsys, monkeypatch):
     """Forwards of R rows of the one prefilled sequence at the position after its prompt (its
     token and R - 1 guesses), each row count in turn, the order reversed each round; the

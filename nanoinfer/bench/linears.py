@@ -94,6 +94,8 @@ def run(a: argparse.Namespace) -> int:
         progress(f"building the block GEMM with {a.against!r} added ...")
         against = cpu_kernels.quant_library_with(a.against)
         progress_done()
+        if quant.current_path() and not against.quant_paths() >> quant.current_path() & 1:
+            raise NanoinferError(f"--against: the build with {a.against!r} added has no {quant.path_name()} path")
     builds = [None] if against is None else [None, against]  # None: the library
     progress("loading and repacking the weights ...")
     sets = _weight_sets(a.model, a.by == "shape")
