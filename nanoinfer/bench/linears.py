@@ -94,7 +94,7 @@ def run(a: argparse.Namespace) -> int:
         progress(f"building the block GEMM with {a.against!r} added ...")
         against = cpu_kernels.quant_library_with(a.against)
         progress_done()
-        if quant.current_path() and not against.quant_paths() >> quant.current_path() & 1:
+        if quant.current_path() and quant.path_name() not in quant.paths(against):
             raise NanoinferError(f"--against: the build with {a.against!r} added has no {quant.path_name()} path")
     builds = [None] if against is None else [None, against]  # None: the library
     progress("loading and repacking the weights ...")
@@ -116,8 +116,8 @@ def run(a: argparse.Namespace) -> int:
             for m in rows:
                 _check_same_bits(label, ws, xs[m], against, m)
         times: list[dict[int, list[float]]] = [{m: [] for m in rows} for _ in builds]
+        order = list(enumerate(builds))
         for run in range(a.runs):
-            order = list(enumerate(builds))
             for m in rows:  # alternating: the row counts (and the builds, first one then the other) see the same machine
                 for b, lib in order if run % 2 == 0 else order[::-1]:
                     times[b][m].append(_time_set(ws, xs[m], cached=a.weights == "cached", library=lib))

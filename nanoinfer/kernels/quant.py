@@ -139,10 +139,10 @@ def supported(qtype: int) -> bool:
     return True
 
 
-def paths() -> list[str]:
+def paths(library: ctypes.CDLL | None = None) -> list[str]:
     """The paths this CPU runs ([] without the compiled library), in _PATH_CODES' order: the
-    default (`default_path()`) is the last."""
-    lib = cpu_kernels.library()
+    default (`default_path()`) is the last. `library`: a second build's (cpu_kernels.quant_library_with)."""
+    lib = library or cpu_kernels.library()
     if lib is None:
         return []
     mask = lib.quant_paths()
